@@ -1,0 +1,156 @@
+"""Affine quantization, as mlx-lm's `--kv-bits`: each token's K/V row in groups of N-bit codes.
+
+Every `group_size` values of a row share an fp16 scale and offset
+(`mx.quantize`, affine mode). Unlike mlx-lm 0.32.2's QuantizedKVCache, the packed
+width is `head_dim * bits / 32` words, so 3- and 6-bit caches work for every head
+dim. With `rotate=True` each head is first turned by the normalized Hadamard
+transform (llama.cpp's attention rotation): the query is rotated the same way and
+the output rotated back, which leaves attention unchanged but spreads outliers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+from ..registry import AFFINE_BITS, GROUP_SIZES
+from .base import GmlxCache, array_bytes
+from .fp16 import STORE_DTYPE, GrowingBuffer
+
+
+class AffineCache(GmlxCache):
+    """K/V quantized per token in groups; fp16 until `quantized_kv_start` tokens have arrived."""
+
+    def __init__(
+        self,
+        bits: int = 8,
+        group_size: int = 64,
+        quantized_kv_start: int = 0,
+        rotate: bool = False,
+        layer: int | None = None,
+    ):
+        super().__init__(layer)
+        if bits not in AFFINE_BITS:
+            raise ValueError(f"{self.where()}: affine bits={bits} is not supported; accepted: {AFFINE_BITS}")
+        if group_size not in GROUP_SIZES:
+            raise ValueError(
+                f"{self.where()}: affine group_size={group_size} is not supported; accepted: {GROUP_SIZES}"
+            )
+        self.k_bits = bits
+        self.group_size = group_size
+        self.quantized_kv_start = quantized_kv_start
+        self.rotate = rotate
+        self.scheme = "affine_rot" if rotate else "affine"
+        self.fp16: tuple[GrowingBuffer, GrowingBuffer] | None = (GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
+        self.packed: list[list[GrowingBuffer]] | None = None  # [keys, values] x [codes, scales, biases]
+
+    @property
+    def quantized(self) -> bool:
+        return self.packed is not None
+
+    def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return mx.quantize(x.astype(STORE_DTYPE), group_size=self.group_size, bits=self.k_bits)
+
+    def _dequantize(self, parts: list[mx.array]) -> mx.array:
+        return mx.dequantize(*parts, group_size=self.group_size, bits=self.k_bits)
+
+    def _check_dims(self, keys: mx.array, values: mx.array) -> None:
+        for name, x in (("keys", keys), ("values", values)):
+            if x.shape[-1] % self.group_size:
+                raise ValueError(
+                    f"{self.where()}: {name} head_dim {x.shape[-1]} is not a multiple of "
+                    f"group_size {self.group_size}; use a group size dividing it (32, 64 or 128)"
+                )
+
+    def _write_packed(self, start: int, keys: mx.array, values: mx.array) -> None:
+        if self.packed is None:
+            self.packed = [[GrowingBuffer(mx.uint32), GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE)] for _ in range(2)]
+        for buffers, x in zip(self.packed, (keys, values)):
+            for buf, part in zip(buffers, self._quantize(x)):
+                buf.write(start, part)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.check_input(keys, values)
+        self._check_dims(keys, values)
+        dtype = keys.dtype
+        if self.rotate:
+            keys, values = mx.hadamard_transform(keys), mx.hadamard_transform(values)
+        start, self.offset = self.offset, self.offset + keys.shape[2]
+        if self.quantized:
+            self._write_packed(start, keys, values)
+        else:
+            self.fp16[0].write(start, keys)
+            self.fp16[1].write(start, values)
+            if self.offset >= self.quantized_kv_start:
+                self._write_packed(0, self.fp16[0].view(self.offset), self.fp16[1].view(self.offset))
+                self.fp16 = None
+        k, v = self._stored(self.offset)
+        if self.rotate:  # hand back K/V in the model's own (unrotated) space
+            k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
+        return self._return(k.astype(dtype), v.astype(dtype))
+
+    def _stored(self, end: int) -> tuple[mx.array, mx.array]:
+        """Stored K/V (rotated if `rotate`) as arrays, decoded if quantized."""
+        if self.quantized:
+            return tuple(self._dequantize([b.view(end) for b in bufs]) for bufs in self.packed)
+        return self.fp16[0].view(end), self.fp16[1].view(end)
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """Attention straight from the codes with `mx.quantized_matmul`, as mlx-lm does."""
+        if not self.quantized:
+            k, v = self._stored(self.offset)
+            q = mx.hadamard_transform(queries) if self.rotate else queries
+            out = mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
+        else:
+            q = mx.hadamard_transform(queries) if self.rotate else queries
+            qk, qv = ([b.view(self.offset) for b in bufs] for bufs in self.packed)
+            out = quantized_scaled_dot_product_attention(
+                q, tuple(qk), tuple(qv), scale=scale, mask=mask, group_size=self.group_size, bits=self.k_bits
+            )
+        return mx.hadamard_transform(out) if self.rotate else out
+
+    def trim(self, n: int) -> int:
+        n = self.check_trim(n, self.offset, "")
+        self.offset -= n
+        return n
+
+    def regions(self) -> dict[str, int]:
+        if self.quantized:
+            codes = array_bytes(*(bufs[0].data for bufs in self.packed))
+            scales = array_bytes(*(b.data for bufs in self.packed for b in bufs[1:]))
+            cap = self.packed[0][0].capacity()
+            used = (codes + scales) * self.offset // cap if cap else 0
+            return {"codes": codes * self.offset // cap, "scales": scales * self.offset // cap,
+                    "reserve": codes + scales - used}
+        total = array_bytes(*(b.data for b in self.fp16))
+        cap = self.fp16[0].capacity()
+        used = total * self.offset // cap if cap else 0
+        return {"fp16": used, "reserve": total - used}
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        meta = (self.offset, self.k_bits, self.group_size, self.quantized_kv_start, int(self.rotate), self.layer)
+        if self.offset == 0:
+            return (None, None, *meta)
+        if self.quantized:
+            k, v = ([b.view(self.offset) for b in bufs] for bufs in self.packed)
+            return (k, v, *meta)
+        return (self.fp16[0].view(self.offset), self.fp16[1].view(self.offset), *meta)
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        keys, values, offset, bits, group_size, start, rotate, layer = v
+        self.__init__(bits, group_size, start, bool(rotate), layer)
+        self.offset = offset
+        if keys is None:
+            return
+        if isinstance(keys, (list, tuple)):
+            self.packed = [[GrowingBuffer(p.dtype) for p in keys] for _ in range(2)]
+            for bufs, parts in zip(self.packed, (keys, values)):
+                for buf, part in zip(bufs, parts):
+                    buf.data = part
+            self.fp16 = None
+        else:
+            self.fp16[0].data, self.fp16[1].data = keys, values

@@ -1,0 +1,90 @@
+"""How mlx-lm models reach a gmlx_lab cache's own attention.
+
+mlx-lm models call `mlx_lm.models.base.scaled_dot_product_attention(q, k, v,
+cache=..., ...)` with the K/V that `cache.update_and_fetch` just returned. Our
+caches return plain, decoded K/V there, so any model code is correct with them.
+`install()` wraps that function once: when the K/V passed in are exactly the
+ones the cache fetched, the call goes to `cache.attend(...)` instead, which
+attends over the stored form (codes, rotation) without a decoded copy. That is
+the seam where the fused GPU kernels plug in.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+
+_original = mlx_base.scaled_dot_product_attention
+
+
+def scaled_dot_product_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's attention entry point, routed to the cache's own `attend` when it can."""
+    attend = getattr(cache, "attend", None)
+    if attend is not None and sinks is None and cache.fetched(keys, values):
+        return attend(queries, scale=scale, mask=mask)
+    return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install() -> None:
+    """Point mlx-lm's base module, and model modules already imported, at our entry point."""
+    mlx_base.scaled_dot_product_attention = scaled_dot_product_attention
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _original:
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def apply_mask(scores: mx.array, mask: Any) -> mx.array:
+    """Apply an mlx-lm mask (None, "causal", boolean or additive) to scores (..., L, T)."""
+    if mask is None:
+        return scores
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}; accepted: None, 'causal' or an array")
+        q_len, k_len = scores.shape[-2:]
+        mask = mx.arange(k_len - q_len, k_len)[:, None] >= mx.arange(k_len)[None]
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    return scores + mask
+
+
+def grouped_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> tuple[mx.array, mx.array]:
+    """Softmax attention with GQA that also returns the log-sum-exp of each query's scores.
+
+    queries (B, Hq, L, D); keys/values (B, Hkv, T, D). Returns the output
+    (B, Hq, L, D) and lse (B, Hq, L), so partial results over disjoint key sets
+    can be merged into one softmax with `merge_partials`.
+    """
+    b, hq, length, d = queries.shape
+    hkv = keys.shape[1]
+    q = (queries * scale).reshape(b, hkv, hq // hkv, length, d)
+    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
+        mask = mx.expand_dims(mask, 2)
+    scores = apply_mask(scores, mask).astype(mx.float32)
+    lse = mx.logsumexp(scores, axis=-1)
+    probs = mx.exp(scores - lse[..., None]).astype(values.dtype)
+    out = probs @ mx.expand_dims(values, 2)
+    return out.reshape(b, hq, length, d), lse.reshape(b, hq, length)
+
+
+def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> mx.array:
+    """Merge attention outputs over disjoint key sets, weighting each by its softmax mass."""
+    lses = mx.stack([lse for _, lse in parts])
+    total = mx.logsumexp(lses, axis=0)
+    out = 0
+    for o, lse in parts:
+        out = out + o * mx.exp(lse - total)[..., None].astype(o.dtype)
+    return out

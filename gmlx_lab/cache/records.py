@@ -1,0 +1,168 @@
+"""kvarn records: variance-normalized 128x128 tiles of K or V, rounded per row and bit-packed.
+
+A record holds one KV head's 128-channel slice of 128 consecutive tokens, already
+Hadamard-rotated. For K the tile's rows are channels, for V they are tokens. Two
+scale vectors (rows and columns) are found by alternating normalization so that
+no row or column dominates; each row of the normalized tile is then rounded
+asymmetrically to `bits`-bit codes. Storage: packed codes (2048*bits bytes) and
+three fp16 vectors of 128 (768 bytes); decoding is
+`T[r, c] = (q[r, c] * scale_axis[r] + zp_axis[r]) * other_axis[c]`.
+
+Every function works on a batch of tiles (..., 128, 128) at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..registry import KVARN_BITS
+
+TILE = 128  # tokens per record, and channels per record slice
+AXIS_DTYPE = mx.float16
+STD_CLAMP = (1e-3, 1e3)
+LOG_SCALE_CLIP = (-0.3, 10.0)
+IMBALANCE_EPS = 1e-8
+
+
+def words_per_row(bits: int) -> int:
+    """uint32 words holding one row of 128 codes: 128 * bits / 32."""
+    return TILE * bits // 32
+
+
+def pack_rows(codes: mx.array, bits: int) -> mx.array:
+    """Pack codes (..., 128) of `bits` bits into (..., 4*bits) uint32 words.
+
+    Code i occupies bits [i*bits, (i+1)*bits) of the row's bit stream, least
+    significant bit first; stream bit j is bit j % 32 of word j // 32. Codes of
+    3, 5 and 6 bits cross word boundaries; the kernels read the same layout.
+    """
+    codes = codes.astype(mx.uint32)
+    bit_index = mx.arange(bits, dtype=mx.uint32)
+    stream = (codes[..., None] >> bit_index) & 1  # (..., 128, bits)
+    stream = stream.reshape(*codes.shape[:-1], words_per_row(bits), 32)
+    return (stream << mx.arange(32, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+
+
+def unpack_rows(words: mx.array, bits: int) -> mx.array:
+    """Inverse of `pack_rows`: (..., 4*bits) uint32 words to (..., 128) codes (uint32)."""
+    stream = (words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1  # (..., words, 32)
+    stream = stream.reshape(*words.shape[:-1], TILE, bits)
+    return (stream << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+
+
+def _stds(x: mx.array) -> tuple[mx.array, mx.array]:
+    """Unbiased std of each column (over rows) and of each row (over columns), float32."""
+    return mx.std(x, axis=-2, ddof=1), mx.std(x, axis=-1, ddof=1)
+
+
+def imbalance(x: mx.array) -> mx.array:
+    """max/min of the column stds plus max/min of the row stds: 2 for a perfectly balanced tile."""
+    col, row = _stds(x)
+    ratio = lambda s: s.max(axis=-1) / (s.min(axis=-1) + IMBALANCE_EPS)  # noqa: E731
+    return ratio(col) + ratio(row)
+
+
+def normalize(tiles: mx.array, iters: int = 16) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Find row and column scales that balance the stds of tiles (..., 128, 128).
+
+    Each round divides by the column stds, then by the row stds (in log space,
+    clamped, clipped); the round with the lowest imbalance wins, ties going to
+    the later round, and the unscaled tile is a candidate too. Returns s_row,
+    s_col, and the imbalance before and after.
+    """
+    t = tiles.astype(mx.float32)
+    log_row = mx.zeros(t.shape[:-1], mx.float32)
+    log_col = mx.zeros(t.shape[:-2] + t.shape[-1:], mx.float32)
+    scaled = lambda: t / (mx.exp(log_row)[..., :, None] * mx.exp(log_col)[..., None, :])  # noqa: E731
+    start = imbalance(t)
+    best, best_row, best_col = start, log_row, log_col
+    for _ in range(iters):
+        col_std, _ = _stds(scaled())
+        log_col = mx.clip(log_col + mx.log(mx.clip(col_std, *STD_CLAMP)), *LOG_SCALE_CLIP)
+        _, row_std = _stds(scaled())
+        log_row = mx.clip(log_row + mx.log(mx.clip(row_std, *STD_CLAMP)), *LOG_SCALE_CLIP)
+        score = imbalance(scaled())
+        better = score <= best
+        best = mx.where(better, score, best)
+        best_row = mx.where(better[..., None], log_row, best_row)
+        best_col = mx.where(better[..., None], log_col, best_col)
+    return mx.exp(best_row), mx.exp(best_col), start, best
+
+
+@dataclass
+class Records:
+    """A batch of encoded records; every field has the same leading batch shape."""
+
+    codes: mx.array  # (..., 128 rows, 4*bits) uint32
+    scale_axis: mx.array  # (..., 128) fp16, per row
+    zp_axis: mx.array  # (..., 128) fp16, per row
+    other_axis: mx.array  # (..., 128) fp16, per column
+    bits: int
+    kind: str  # "k": rows are channels; "v": rows are tokens
+    imbalance_before: mx.array | None = None
+    imbalance_after: mx.array | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes: packed codes plus the three fp16 axis vectors."""
+        return self.codes.nbytes + self.scale_axis.nbytes + self.zp_axis.nbytes + self.other_axis.nbytes
+
+
+def check_bits(bits: int) -> None:
+    if bits not in KVARN_BITS:
+        raise ValueError(f"kvarn bits={bits!r} is not supported; accepted: {', '.join(map(str, KVARN_BITS))}")
+
+
+def check_kind(kind: str) -> None:
+    if kind not in ("k", "v"):
+        raise ValueError(f"record kind={kind!r} is not supported; accepted: 'k' or 'v'")
+
+
+def encode_tiles(tiles: mx.array, bits: int, kind: str, iters: int = 16) -> Records:
+    """Encode tiles (..., 128, 128), already in row/column orientation for `kind`."""
+    check_bits(bits)
+    check_kind(kind)
+    s_row, s_col, before, after = normalize(tiles, iters)
+    n = tiles.astype(mx.float32) / (s_row[..., :, None] * s_col[..., None, :])
+    lo, hi = n.min(axis=-1), n.max(axis=-1)
+    scale = mx.maximum((hi - lo) / (2**bits - 1), 1e-10)
+    q = mx.floor((n - lo[..., None]) / scale[..., None] + 0.5)  # round half away from zero (q >= 0)
+    q = mx.clip(q, 0, 2**bits - 1)
+    return Records(
+        codes=pack_rows(q, bits),
+        scale_axis=(s_row * scale).astype(AXIS_DTYPE),
+        zp_axis=(s_row * lo).astype(AXIS_DTYPE),
+        other_axis=s_col.astype(AXIS_DTYPE),
+        bits=bits,
+        kind=kind,
+        imbalance_before=before,
+        imbalance_after=after,
+    )
+
+
+def decode_tiles(codes: mx.array, scale_axis: mx.array, zp_axis: mx.array, other_axis: mx.array,
+                 bits: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """Decode tiles (..., 128, 128) in the record's row/column orientation."""
+    q = unpack_rows(codes, bits).astype(dtype)
+    rows = q * scale_axis[..., None].astype(dtype) + zp_axis[..., None].astype(dtype)
+    return rows * other_axis[..., None, :].astype(dtype)
+
+
+def encode_record(block: mx.array, bits: int, kind: str, iters: int = 16) -> Records:
+    """Encode one (128 tokens, 128 channels) block, already rotated, as a K or V record."""
+    check_bits(bits)
+    check_kind(kind)
+    if tuple(block.shape) != (TILE, TILE):
+        raise ValueError(f"encode_record: block must be (128 tokens, 128 channels), got {tuple(block.shape)}")
+    if not mx.all(mx.isfinite(block)).item():
+        raise ValueError("encode_record: block holds non-finite values (inf or nan); K/V must be finite")
+    tile = block.T if kind == "k" else block
+    return encode_tiles(tile, bits, kind, iters)
+
+
+def decode_record(record: Records) -> mx.array:
+    """The (128 tokens, 128 channels) float32 reconstruction of one record."""
+    tile = decode_tiles(record.codes, record.scale_axis, record.zp_axis, record.other_axis, record.bits)
+    return tile.T if record.kind == "k" else tile

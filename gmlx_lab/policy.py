@@ -1,0 +1,207 @@
+"""The per-layer policy: which layers of a model a scheme quantizes, and why.
+
+The decision reads the shape of each layer's cache, never the model's name: the
+model builds its own mlx-lm cache list and runs one token through it, and each
+entry is then classed as growing attention, latent (MLA) attention, sliding
+window or recurrent state. Rules (gmlx's, see docs/kvarn-spec.md section 4):
+growing attention quantizes; in a stack of more than 2 entries the last entry
+stays fp16; recurrent and sliding-window layers stay fp16; kvarn needs head dims
+128/256/512 and declines latent caches. A model on which kvarn can use no layer
+runs fp16 and the summary says why; nothing falls back to affine.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from .cache import GmlxCache, layer_cache
+from .registry import KVARN_HEAD_DIMS, get_scheme
+
+
+@dataclass
+class LayerDecision:
+    """One cache entry: what it is, what the scheme does with it, and why."""
+
+    index: int
+    kind: str  # "attention", "latent-attention", "sliding-window", "recurrent" or "other"
+    decision: str  # "fp16", "affine", "affine_rot" or "kvarn"
+    reason: str
+    cache_class: str
+    kv_heads: int | None = None
+    k_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    @property
+    def grows(self) -> bool:
+        """True for attention whose cache grows with the context."""
+        return self.kind in ("attention", "latent-attention")
+
+
+def probe_layers(model: nn.Module) -> list[tuple[Any, str, tuple[int, ...] | None, tuple[int, ...] | None]]:
+    """Run one token through the model's own caches and read each entry's class and K/V shape."""
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0]]), cache=caches))
+    found = []
+    for c in caches:
+        if isinstance(c, ArraysCache):
+            found.append((c, "recurrent", None, None))
+        elif isinstance(c, RotatingKVCache):
+            found.append((c, "sliding-window", c.keys.shape, c.values.shape))
+        elif isinstance(c, KVCache):
+            kind = "attention" if c.keys.shape[-1] == c.values.shape[-1] else "latent-attention"
+            found.append((c, kind, c.keys.shape, c.values.shape))
+        else:
+            found.append((c, "other", None, None))
+    return found
+
+
+def _decide(index: int, n: int, kind: str, kdim: int | None, vdim: int | None,
+            scheme: str, options: dict[str, Any]) -> tuple[str, str]:
+    if kind == "recurrent":
+        return "fp16", "recurrent state"
+    if kind == "sliding-window":
+        return "fp16", "sliding window"
+    if kind == "other":
+        return "fp16", "not a growing attention cache"
+    if n > 2 and index == n - 1:
+        return "fp16", "last of deep stack"
+    if scheme == "fp16":
+        return "fp16", "fp16 scheme"
+    if scheme == "kvarn":
+        if kind == "latent-attention":
+            return "fp16", "MLA latent cache: kvarn declines"
+        for d in sorted({kdim, vdim}):
+            if d not in KVARN_HEAD_DIMS:
+                return "fp16", f"head_dim {d}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}"
+        return "kvarn", "growing attention"
+    g = options["group_size"]
+    for d in sorted({kdim, vdim}):
+        if d % g:
+            return "fp16", f"head_dim {d} is not a multiple of group_size {g}"
+    return scheme, "growing attention"
+
+
+def _group(indices: list[int]) -> str:
+    return ("layer " if len(indices) == 1 else "layers ") + ",".join(map(str, indices))
+
+
+class Policy:
+    """A scheme applied to one model, layer by layer: `str()` is the [kv] line, `as_dict()` the report."""
+
+    def __init__(self, model: nn.Module, name: str, scheme: str, options: dict[str, Any],
+                 layers: list[LayerDecision]):
+        self.model, self.name, self.scheme, self.options, self.layers = model, name, scheme, options, layers
+
+    @property
+    def label(self) -> str:
+        return get_scheme(self.scheme).label(self.options)
+
+    @property
+    def quantized(self) -> list[LayerDecision]:
+        return [d for d in self.layers if d.decision != "fp16"]
+
+    def __str__(self) -> str:
+        growing = [d for d in self.layers if d.grows]
+        reasons: dict[str, list[int]] = {}
+        for d in self.layers:
+            if d.decision == "fp16" and (d.grows or self.scheme == "fp16"):
+                reasons.setdefault(d.reason, []).append(d.index)
+        others: dict[str, int] = {}
+        for d in self.layers:
+            if not d.grows:
+                others[d.kind] = others.get(d.kind, 0) + 1
+        extra = "".join(f", {n} {kind} fp16" for kind, n in others.items())
+        why = "; ".join(f"{_group(ix)} fp16: {r}" for r, ix in reasons.items() if r != "fp16 scheme")
+        if self.scheme == "fp16":
+            return f"[kv] {self.name}: fp16 -> {len(growing)} attn layers fp16{extra}"
+        if self.scheme == "kvarn" and not self.quantized:
+            why = why or "no growing attention layer"
+            return f"[kv] {self.name}: {self.label} -> no layer can use kvarn ({why}) -> running fp16"
+        detail = f" ({why})" if why else ""
+        return f"[kv] {self.name}: {self.label} -> quantized {len(self.quantized)}/{len(growing)} attn layers{detail}{extra}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The `kv_quant` report: scheme, widths, options, the summary and every layer's decision."""
+        bits = None
+        if self.scheme == "kvarn":
+            bits = self.options["k_bits"] if self.options["k_bits"] == self.options["v_bits"] else {
+                "k": self.options["k_bits"], "v": self.options["v_bits"]}
+        elif self.scheme != "fp16":
+            bits = self.options["bits"]
+        return {
+            "model": self.name,
+            "scheme": self.scheme,
+            "bits": bits,
+            "options": dict(self.options),
+            "summary": str(self),
+            "quantized_layers": len(self.quantized),
+            "attention_layers": sum(d.grows for d in self.layers),
+            "layers": [asdict(d) for d in self.layers],
+        }
+
+    def make_cache(self) -> PromptCache:
+        """Fresh caches, one per entry: ours where the policy decided, the model's own elsewhere."""
+        out = PromptCache(policy=self)
+        for d, native in zip(self.layers, make_prompt_cache(self.model)):
+            if d.decision != "fp16":
+                out.append(layer_cache(d.decision, self.options, layer=d.index))
+            elif d.kind == "attention":
+                out.append(layer_cache("fp16", {}, layer=d.index))
+            else:
+                out.append(native)
+        return out
+
+
+class PromptCache(list):
+    """The list to pass as `prompt_cache` (or `cache=`), carrying the policy that built it."""
+
+    def __init__(self, items: Any = (), policy: Policy | None = None):
+        super().__init__(items)
+        self.policy = policy
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of every entry."""
+        return sum(c.nbytes for c in self)
+
+    def regions(self) -> list[dict[str, int]]:
+        """Per-layer resident bytes by region (our caches) or in one "fp16" entry (the model's own)."""
+        return [c.regions() if isinstance(c, GmlxCache) else {"native": c.nbytes} for c in self]
+
+
+def model_name(model: nn.Module) -> str:
+    """A display name: `gmlx_name` set by gmlx_lab.load, else the config's model_type."""
+    name = getattr(model, "gmlx_name", None) or getattr(model, "model_type", None)
+    if name is None and hasattr(model, "args"):
+        name = getattr(model.args, "model_type", None)
+    return str(name or type(model).__module__.rsplit(".", 1)[-1])
+
+
+def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, **options: Any) -> Policy:
+    """Decide, for each of the model's cache entries, how `scheme` stores it and why."""
+    spec = get_scheme(scheme)
+    values = spec.resolve(**options)
+    probed = probe_layers(model)
+    layers = []
+    for i, (cache, kind, kshape, vshape) in enumerate(probed):
+        kdim = kshape[-1] if kshape else None
+        vdim = vshape[-1] if vshape else None
+        decision, reason = _decide(i, len(probed), kind, kdim, vdim, scheme, values)
+        layers.append(LayerDecision(i, kind, decision, reason, type(cache).__name__,
+                                    kshape[1] if kshape else None, kdim, vdim))
+    return Policy(model, name or model_name(model), scheme, values, layers)
+
+
+def make_cache(model: nn.Module, scheme: str = "kvarn", *, quiet: bool = False, name: str | None = None,
+               **options: Any) -> PromptCache:
+    """Apply the policy and return the caches to pass as `prompt_cache`; prints the [kv] line unless quiet."""
+    chosen = policy(model, scheme, name=name, **options)
+    if not quiet:
+        print(chosen, file=sys.stdout)
+    return chosen.make_cache()
