@@ -124,7 +124,8 @@ class Policy:
             why = why or "no growing attention layer"
             return f"[kv] {self.name}: {self.label} -> no layer can use kvarn ({why}) -> running fp16"
         detail = f" ({why})" if why else ""
-        return f"[kv] {self.name}: {self.label} -> quantized {len(self.quantized)}/{len(growing)} attn layers{detail}{extra}"
+        done = f"{len(self.quantized)}/{len(growing)}"
+        return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}"
 
     def as_dict(self) -> dict[str, Any]:
         """The `kv_quant` report: scheme, widths, options, the summary and every layer's decision."""

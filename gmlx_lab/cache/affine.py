@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from ..registry import AFFINE_BITS, GROUP_SIZES
+from .attention import apply_mask
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer
 
@@ -53,8 +53,10 @@ class AffineCache(GmlxCache):
     def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return mx.quantize(x.astype(STORE_DTYPE), group_size=self.group_size, bits=self.k_bits)
 
-    def _dequantize(self, parts: list[mx.array]) -> mx.array:
-        return mx.dequantize(*parts, group_size=self.group_size, bits=self.k_bits)
+    def _dequantize(self, parts: list[mx.array], dtype: mx.Dtype) -> mx.array:
+        codes, scales, biases = parts
+        return mx.dequantize(codes, scales.astype(dtype), biases.astype(dtype), group_size=self.group_size,
+                             bits=self.k_bits)
 
     def _check_dims(self, keys: mx.array, values: mx.array) -> None:
         for name, x in (("keys", keys), ("values", values)):
@@ -66,7 +68,8 @@ class AffineCache(GmlxCache):
 
     def _write_packed(self, start: int, keys: mx.array, values: mx.array) -> None:
         if self.packed is None:
-            self.packed = [[GrowingBuffer(mx.uint32), GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE)] for _ in range(2)]
+            self.packed = [[GrowingBuffer(mx.uint32), GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE)]
+                           for _ in range(2)]
         for buffers, x in zip(self.packed, (keys, values)):
             for buf, part in zip(buffers, self._quantize(x)):
                 buf.write(start, part)
@@ -86,30 +89,45 @@ class AffineCache(GmlxCache):
             if self.offset >= self.quantized_kv_start:
                 self._write_packed(0, self.fp16[0].view(self.offset), self.fp16[1].view(self.offset))
                 self.fp16 = None
-        k, v = self._stored(self.offset)
+        k, v = self._stored(self.offset, dtype)
         if self.rotate:  # hand back K/V in the model's own (unrotated) space
             k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
         return self._return(k.astype(dtype), v.astype(dtype))
 
-    def _stored(self, end: int) -> tuple[mx.array, mx.array]:
-        """Stored K/V (rotated if `rotate`) as arrays, decoded if quantized."""
+    def _stored(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Stored K/V (rotated if `rotate`) as arrays of `dtype`, decoded if quantized."""
         if self.quantized:
-            return tuple(self._dequantize([b.view(end) for b in bufs]) for bufs in self.packed)
+            return tuple(self._dequantize([b.view(end) for b in bufs], dtype) for bufs in self.packed)
         return self.fp16[0].view(end), self.fp16[1].view(end)
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention straight from the codes with `mx.quantized_matmul`, as mlx-lm does."""
         if not self.quantized:
-            k, v = self._stored(self.offset)
             q = mx.hadamard_transform(queries) if self.rotate else queries
+            k, v = self._stored(self.offset, q.dtype)
             out = mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
         else:
             q = mx.hadamard_transform(queries) if self.rotate else queries
             qk, qv = ([b.view(self.offset) for b in bufs] for bufs in self.packed)
-            out = quantized_scaled_dot_product_attention(
-                q, tuple(qk), tuple(qv), scale=scale, mask=mask, group_size=self.group_size, bits=self.k_bits
-            )
+            out = self._quantized_attention(q, qk, qv, scale, mask)
         return mx.hadamard_transform(out) if self.rotate else out
+
+    def _quantized_attention(self, q: mx.array, qk: list[mx.array], qv: list[mx.array], scale: float,
+                             mask: Any) -> mx.array:
+        """Scores and output with two `mx.quantized_matmul` calls; K/V are never decoded."""
+        b, hq, length, d = q.shape
+        hkv = qk[0].shape[1]
+        q = (q * scale).reshape(b, hkv, hq // hkv, length, d)
+        # scales in the query's dtype, so the CPU computes in float32; broadcast over the GQA group
+        qk, qv = ([mx.expand_dims(x if x.dtype == mx.uint32 else x.astype(q.dtype), 2) for x in parts]
+                  for parts in (qk, qv))
+        opts = {"group_size": self.group_size, "bits": self.k_bits}
+        scores = mx.quantized_matmul(q, *qk, transpose=True, **opts)
+        if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
+            mask = mx.expand_dims(mask, 2)
+        probs = mx.softmax(apply_mask(scores, mask), axis=-1, precise=True)
+        out = mx.quantized_matmul(probs, *qv, transpose=False, **opts)
+        return out.reshape(b, hq, length, -1)
 
     def trim(self, n: int) -> int:
         n = self.check_trim(n, self.offset, "")

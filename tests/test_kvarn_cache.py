@@ -1,0 +1,152 @@
+"""The kvarn cache: regions, chunking, sizes, attention, trimming and errors."""
+
+import mlx.core as mx
+import pytest
+from conftest import random_kv
+
+from gmlx_lab.cache import KVarNCache
+from gmlx_lab.registry import get_scheme
+
+
+def feed(cache, k, v, chunks):
+    """Feed K/V through update_and_fetch in chunks of the given sizes."""
+    start = 0
+    for n in chunks:
+        out = cache.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
+        start += n
+    assert start == k.shape[2]
+    return out
+
+
+def states_equal(a, b):
+    for x, y in zip(a.state, b.state):
+        if isinstance(x, tuple):
+            assert all(mx.array_equal(p, q) for p, q in zip(x, y))
+        elif isinstance(x, mx.array):
+            assert mx.array_equal(x, y)
+        else:
+            assert x == y
+    return True
+
+
+@pytest.mark.parametrize("tail", [0, 128, 200])
+@pytest.mark.parametrize("total", [127, 128, 129, 255, 256, 257, 383, 384, 385, 600])
+def test_regions_follow_the_spec(tail, total):
+    k, v = random_kv(total)
+    cache = KVarNCache(4, 4, kv_tail_tokens=tail)
+    feed(cache, k, v, [total])
+    r = cache.region_tokens()
+    assert sum(r.values()) == total == cache.offset
+    assert r["sink"] == min(total, 128)
+    after_sink = max(total - 128, 0)
+    assert r["body"] == 128 * ((after_sink - tail) // 128 if after_sink > tail else 0)
+    assert r["tail"] == min(after_sink - r["body"], tail)
+    assert 0 <= r["live"] < 128
+
+
+@pytest.mark.parametrize("tail", [0, 128])
+@pytest.mark.parametrize("chunks", [[1] * 300, [127, 1, 1, 171], [128, 128, 44], [129, 127, 44], [255, 45], [300]])
+def test_one_at_a_time_and_chunks_store_the_same(tail, chunks):
+    k, v = random_kv(300, seed=1)
+    whole = KVarNCache(6, 5, kv_tail_tokens=tail)
+    feed(whole, k, v, [300])
+    split = KVarNCache(6, 5, kv_tail_tokens=tail)
+    feed(split, k, v, chunks)
+    assert states_equal(whole, split)
+
+
+def test_fetched_kv_decode_the_stored_records():
+    k, v = random_kv(700)
+    cache = KVarNCache(8, 8, kv_tail_tokens=128)
+    kk, vv = feed(cache, k, v, [700])
+    r = cache.region_tokens()
+    fp16 = list(range(128)) + list(range(700 - r["live"] - r["tail"], 700))
+    # fp16 regions come back at fp16 precision; records at 8-bit precision
+    assert float(mx.abs(kk[:, :, fp16] - k[:, :, fp16]).max()) < 0.05
+    body = slice(128, 128 + r["body"])
+    rel = mx.sqrt(mx.mean((vv[:, :, body] - v[:, :, body]) ** 2)) / mx.sqrt(mx.mean(v[:, :, body] ** 2))
+    assert 0 < float(rel) < 0.02
+
+
+@pytest.mark.parametrize("dim", [128, 256, 512])
+@pytest.mark.parametrize("q_len", [1, 4, 37])
+def test_attention_over_cache_equals_attention_over_decoded_kv(dim, q_len):
+    k, v = random_kv(520, dim=dim)
+    cache = KVarNCache(4, 3, kv_tail_tokens=128)
+    kk, vv = feed(cache, k, v, [520 - q_len, q_len])
+    mx.random.seed(3)
+    q = mx.random.normal((1, 6, q_len, dim))
+    mask = "causal" if q_len > 1 else None
+    scale = dim**-0.5
+    ours = cache.attend(q, scale=scale, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=mask)
+    assert float(mx.abs(ours - ref).max()) < 1e-4
+
+
+def test_nbytes_is_exact_and_records_are_2048b_plus_768():
+    k, v = random_kv(1000, heads=2, dim=256)
+    cache = KVarNCache(6, 4, kv_tail_tokens=300)
+    feed(cache, k, v, [1000])
+    regions = cache.regions()
+    n_rec = cache.n_records * 2 * 2  # records per head per slice x heads x slices
+    assert regions["record_codes"] + regions["record_scales"] == n_rec * (2048 * 6 + 768) + n_rec * (2048 * 4 + 768)
+    assert regions["sink"] == 128 * 2 * 256 * 2 * 2
+    tokens = cache.region_tokens()
+    assert regions["live"] + regions["tail"] == (tokens["live"] + tokens["tail"]) * 2 * 256 * 2 * 2
+    state_arrays = [a for x in cache.state for a in (x if isinstance(x, tuple) else (x,)) if isinstance(a, mx.array)]
+    assert cache.nbytes == sum(regions.values()) == sum(a.nbytes for a in state_arrays)
+
+
+def test_record_accessor_and_split_widths():
+    k, v = random_kv(400)
+    cache = KVarNCache(6, 3, kv_tail_tokens=0)
+    feed(cache, k, v, [400])
+    rk, rv = cache.record("k", 0, 1, 0), cache.record("v", 0, 1, 1)
+    assert (rk.bits, rv.bits) == (6, 3)
+    assert rk.nbytes == 2048 * 6 + 768 and rv.nbytes == 2048 * 3 + 768
+    with pytest.raises(IndexError):
+        cache.record("k", 0, 0, 5)
+
+
+def test_trim_rolls_back_fp16_tokens_and_refuses_records():
+    k, v = random_kv(500)
+    cache = KVarNCache(4, 4, kv_tail_tokens=100)
+    full_k, full_v = feed(cache, k, v, [500])
+    records = cache.n_records
+    assert cache.trim(50) == 50 and cache.offset == 450 and cache.n_records == records
+    kk, vv = feed(cache, k[:, :, 450:451], v[:, :, 450:451], [1])
+    assert mx.array_equal(kk[:, :, :450], full_k[:, :, :450]) and mx.array_equal(vv, full_v[:, :, :451])
+    fp16_left = cache.region_tokens()["live"] + cache.region_tokens()["tail"]
+    with pytest.raises(ValueError, match="cannot trim"):
+        cache.trim(fp16_left + 1)
+    before_records = KVarNCache(4, 4)
+    feed(before_records, k[:, :, :200], v[:, :, :200], [200])
+    assert before_records.trim(150) == 150 and before_records.region_tokens()["sink"] == 50
+
+
+def test_kvarn_errors_name_the_layer():
+    cache = KVarNCache(6, 6, layer=3)
+    k, v = random_kv(10, dim=64)
+    with pytest.raises(ValueError, match="layer 3.*head_dim 64.*128, 256, 512"):
+        cache.update_and_fetch(k, v)
+    k, v = random_kv(300)
+    k[0, 1, 150, 5] = float("inf")
+    with pytest.raises(ValueError, match="layer 3: non-finite keys"):
+        KVarNCache(6, 6, kv_tail_tokens=0, layer=3).update_and_fetch(k, v)
+    with pytest.raises(ValueError, match="accepted: 2, 3, 4, 5, 6, 8"):
+        KVarNCache(7, 6)
+    with pytest.raises(ValueError, match="kv_tail_tokens"):
+        KVarNCache(6, 6, kv_tail_tokens=-1)
+
+
+def test_env_override_of_widths(monkeypatch):
+    kvarn = get_scheme("kvarn")
+    assert kvarn.resolve()["k_bits"] == 6
+    monkeypatch.setenv("GMLX_KVARN_BITS", "k6v5")
+    assert (kvarn.resolve(bits=4)["k_bits"], kvarn.resolve(bits=4)["v_bits"]) == (6, 5)
+    monkeypatch.setenv("GMLX_KVARN_BITS", "3")
+    assert kvarn.resolve()["v_bits"] == 3
+    for bad in ("k6", "six", "k6v7", "v5k6"):
+        monkeypatch.setenv("GMLX_KVARN_BITS", bad)
+        with pytest.raises(ValueError, match="GMLX_KVARN_BITS"):
+            kvarn.resolve()

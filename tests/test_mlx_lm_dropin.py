@@ -1,0 +1,139 @@
+"""Our caches inside unmodified mlx-lm models: forward passes, generation, the attention seam, save/load."""
+
+import mlx.core as mx
+import pytest
+from conftest import tiny_llama
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+import gmlx_lab
+
+SCHEMES = [
+    ("fp16", {}),
+    ("affine", {"bits": 8}),
+    ("affine", {"bits": 3, "group_size": 32, "quantized_kv_start": 100}),
+    ("affine_rot", {"bits": 4}),
+    ("kvarn", {"bits": 6, "kv_tail_tokens": 0}),
+    ("kvarn", {"k_bits": 8, "v_bits": 4, "kv_tail_tokens": 64}),
+]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    mx.random.seed(7)
+    return mx.random.randint(0, 300, (1, 420))
+
+
+def run_chunks(model, cache, tokens, chunks):
+    start, logits = 0, None
+    for n in chunks:
+        logits = model(tokens[:, start : start + n], cache=cache)
+        start += n
+    return logits
+
+
+@pytest.mark.parametrize("scheme, options", SCHEMES)
+def test_forward_close_to_mlx_lm_kvcache_and_uses_attend(model, tokens, scheme, options, monkeypatch):
+    calls = []
+    cache = gmlx_lab.make_cache(model, scheme, quiet=True, **options)
+    with_attend = [c for c in cache if hasattr(c, "attend")]
+    for cls in {type(c) for c in with_attend}:
+        attend = cls.attend
+        monkeypatch.setattr(cls, "attend", lambda self, *a, _f=attend, **k: calls.append(1) or _f(self, *a, **k))
+    ref = run_chunks(model, make_prompt_cache(model), tokens, [300, 60, 60])
+    out = run_chunks(model, cache, tokens, [300, 60, 60])
+    assert len(calls) == 3 * len(with_attend)  # those layers attended through the cache, once per chunk
+    err = float(mx.abs(out - ref).max())
+    width = min(options.get(k, 8) for k in ("bits", "k_bits", "v_bits"))
+    tolerance = 0.01 if scheme == "fp16" else {3: 1.5, 4: 0.8}.get(width, 0.6)  # logits of a random model
+    assert err < tolerance, err
+
+
+@pytest.mark.parametrize("scheme, options", SCHEMES)
+def test_generate_step_and_save_load_roundtrip(model, tokens, scheme, options, tmp_path):
+    cache = gmlx_lab.make_cache(model, scheme, quiet=True, **options)
+    generated = [t for t, _ in generate_step(tokens[0, :250], model, max_tokens=12, prompt_cache=cache)]
+    assert len(generated) == 12 and cache[0].offset == 250 + 12  # generate_step runs one step ahead
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [type(c) for c in cache]
+    for a, b in zip(cache, loaded):
+        flat_a, flat_b = list(_leaves(a.state)), list(_leaves(b.state))
+        assert len(flat_a) == len(flat_b)
+        for x, y in zip(flat_a, flat_b):
+            if isinstance(x, mx.array):
+                assert x.dtype == y.dtype and mx.array_equal(x, y)
+            else:
+                assert x == y
+    nxt = tokens[:, 262:264]
+    assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=loaded))
+
+
+def _leaves(tree):
+    if isinstance(tree, (list, tuple)):
+        for t in tree:
+            yield from _leaves(t)
+    else:
+        yield tree
+
+
+def test_kv_line_and_report(model, capsys):
+    cache = gmlx_lab.make_cache(model, "kvarn", name="tiny-llama")
+    line = capsys.readouterr().out.strip()
+    assert line == "[kv] tiny-llama: kvarn6 tail=1024 -> quantized 3/4 attn layers (layer 3 fp16: last of deep stack)"
+    assert [type(c).__name__ for c in cache] == ["KVarNCache"] * 3 + ["FP16Cache"]
+    report = cache.policy.as_dict()
+    assert report["scheme"] == "kvarn" and report["bits"] == 6
+    assert [d["decision"] for d in report["layers"]] == ["kvarn"] * 3 + ["fp16"]
+    gmlx_lab.make_cache(model, "affine", quiet=True)
+    assert capsys.readouterr().out == ""
+
+
+def test_two_layer_stack_quantizes_every_layer():
+    p = gmlx_lab.policy(tiny_llama(layers=2), "affine", bits=4)
+    assert [d.decision for d in p.layers] == ["affine", "affine"]
+    assert str(p).endswith("-> quantized 2/2 attn layers")
+
+
+def test_head_dim_64_declined_by_kvarn_not_affine(capsys):
+    small = tiny_llama(layers=3, head_dim=64)
+    p = gmlx_lab.policy(small, "kvarn", name="hd64")
+    assert [d.decision for d in p.layers] == ["fp16"] * 3
+    assert str(p) == ("[kv] hd64: kvarn6 tail=1024 -> no layer can use kvarn (layers 0,1 fp16: head_dim 64: kvarn "
+                      "needs 128/256/512; layer 2 fp16: last of deep stack) -> running fp16")
+    assert [d.decision for d in gmlx_lab.policy(small, "affine").layers] == ["affine", "affine", "fp16"]
+
+
+def test_speculative_decoding_trims_the_kvarn_tail(model, tokens):
+    """mlx-lm's speculative generation rolls rejected drafts back with trim()."""
+    draft = tiny_llama(layers=2, seed=1)
+    cache = gmlx_lab.make_cache(model, "kvarn", quiet=True, kv_tail_tokens=32)
+    cache += gmlx_lab.make_cache(draft, "kvarn", quiet=True, kv_tail_tokens=32)
+    from mlx_lm.generate import speculative_generate_step
+
+    out = [t for t, *_ in speculative_generate_step(tokens[0, :200], model, draft, num_draft_tokens=3,
+                                                     max_tokens=20, prompt_cache=cache)]
+    plain = [t for t, _ in generate_step(tokens[0, :200], model, max_tokens=20,
+                                          prompt_cache=gmlx_lab.make_cache(model, "kvarn", quiet=True,
+                                                                           kv_tail_tokens=32))]
+    assert out == plain  # greedy: speculation must not change the tokens
+
+
+@pytest.mark.parametrize(
+    "scheme, options, message",
+    [
+        ("int4", {}, "unknown scheme 'int4'; accepted: fp16, affine, affine_rot, kvarn"),
+        ("affine", {"bits": 5}, "affine: bits=5 is not supported; accepted: 2, 3, 4, 6, 8"),
+        ("affine", {"group_size": 16}, "group_size=16 is not supported; accepted: 32, 64, 128"),
+        ("kvarn", {"bits": 7}, "kvarn: bits=7 is not supported; accepted: 2, 3, 4, 5, 6, 8"),
+        ("kvarn", {"v_bits": 1}, "v_bits=1 is not supported"),
+        ("kvarn", {"kv_tail_tokens": -5}, "kv_tail_tokens=-5 is not supported; accepted: an int >= 0"),
+        ("kvarn", {"group_size": 64}, r"unknown option\(s\) \['group_size'\]"),
+        ("fp16", {"bits": 8}, r"unknown option\(s\) \['bits'\]"),
+        ("affine", {"bits": "8"}, "must be an int"),
+    ],
+)
+def test_bad_options_are_clear_errors(model, scheme, options, message):
+    with pytest.raises(ValueError, match=message):
+        gmlx_lab.make_cache(model, scheme, quiet=True, **options)
