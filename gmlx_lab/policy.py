@@ -8,6 +8,10 @@ growing attention quantizes; in a stack of more than 2 entries the last entry
 stays fp16; recurrent and sliding-window layers stay fp16; kvarn needs head dims
 128/256/512 and declines latent caches. A model on which kvarn can use no layer
 runs fp16 and the summary says why; nothing falls back to affine.
+
+One knowing difference from gmlx: gmlx keeps Kimi K2 fp16 under affine as well,
+but Kimi K2's cache has exactly DeepSeek-V3's latent shape, so a shape-only
+policy packs it with affine like DeepSeek-V3.
 """
 
 from __future__ import annotations
