@@ -54,7 +54,8 @@ def test_reasons_come_from_cache_shapes():
 def test_specimens_generate_with_policy_caches(family, scheme):
     """Every family runs prefill + decode on the caches the policy built, with finite logits."""
     model = specimen(family)
-    cache = gmlx_lab.make_cache(model, scheme, quiet=True, bits=4, **({"kv_tail_tokens": 0} if scheme == "kvarn" else {}))
+    extra = {"kv_tail_tokens": 0} if scheme == "kvarn" else {}
+    cache = gmlx_lab.make_cache(model, scheme, quiet=True, bits=4, **extra)
     mx.random.seed(0)
     prompt = mx.random.randint(0, 200, (1, 300))
     logits = model(prompt, cache=cache)
