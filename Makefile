@@ -27,7 +27,7 @@ lint: $(STAMP)
 test: $(STAMP)
 	bash tools/system_deps.sh
 	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks
-	$(BLAS_ENV) $(PY) -m pytest tests
+	$(BLAS_ENV) $(PY) -m pytest tests notebooks --nbval-lax
 
 clean:
 	rm -rf $(VENV) .pytest_cache

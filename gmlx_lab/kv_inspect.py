@@ -1,0 +1,226 @@
+"""Look inside a real model run: its K/V per layer and head, its attention weights, its generations.
+
+    cap = capture(model, ids)               # run ids through fp16 caches, keep K/V (+ attention)
+    cap.k(layer=3, head=0)                  # (tokens, head_dim) post-RoPE keys, float32 numpy
+    cap.sink_mass()                         # (layers, query heads) attention share on the first 128 tokens
+    kl = teacher_forced_kl(model, ids, "kvarn", bits=4, kv_tail_tokens=0)
+    gen = generate(model, tokenizer, "Once upon a time", "affine", bits=4)
+
+Everything runs through `gmlx_lab.make_cache`, so it sees exactly what the caches
+store. The K read back from an fp16 cache is post-RoPE (the cache gets K after
+the model applied its rotary embedding). Attention weights come from a cache
+subclass whose `attend` also keeps the softmax (the hook in `cache/attention.py`
+routes each layer's attention to it); keep contexts short (a few hundred tokens),
+since the weights are tokens x tokens per head.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .cache.attention import apply_mask
+from .cache.fp16 import FP16Cache
+from .policy import PromptCache, make_cache, model_name
+
+EVAL_TEXT = Path(__file__).resolve().parent / "data" / "eval_text.txt"
+
+__all__ = [
+    "Capture", "Generation", "capture", "eval_tokens", "first_divergence", "generate",
+    "logits_with", "teacher_forced_kl", "kvarn_region_tokens",
+]
+
+
+class _RecordingFP16Cache(FP16Cache):
+    """An fp16 cache whose attention also keeps its softmax weights (B, Hq, L, T)."""
+
+    probs: list[mx.array]
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        keys = self.keys.view(self.offset).astype(queries.dtype)
+        values = self.values.view(self.offset).astype(queries.dtype)
+        b, hq, length, d = queries.shape
+        hkv = keys.shape[1]
+        q = (queries * scale).reshape(b, hkv, hq // hkv, length, d)
+        scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+        if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
+            mask = mx.expand_dims(mask, 2)
+        probs = mx.softmax(apply_mask(scores, mask).astype(mx.float32), axis=-1)
+        self.probs.append(probs.reshape(b, hq, length, -1))
+        out = probs.astype(values.dtype) @ mx.expand_dims(values, 2)
+        return out.reshape(b, hq, length, d)
+
+
+def eval_tokens(tokenizer: Any, n: int = 256, start: int = 0, bos: bool = True) -> list[int]:
+    """`n` token ids of the bundled evaluation text (from character `start`), with BOS first if it has one."""
+    text = EVAL_TEXT.read_text(encoding="utf-8")[start : start + n * 12]
+    ids = list(tokenizer.encode(text, add_special_tokens=False) if hasattr(tokenizer, "encode") else text)
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos and bos_id is not None:
+        ids = [bos_id, *ids]
+    if len(ids) < n:
+        raise ValueError(f"eval text gave only {len(ids)} tokens, {n} asked")
+    return ids[:n]
+
+
+@dataclass
+class Capture:
+    """K/V (and optionally attention weights) of one run, per attention layer, as float32 numpy."""
+
+    model: str
+    tokens: list[int]
+    keys: dict[int, np.ndarray]  # layer -> (kv_heads, tokens, head_dim)
+    values: dict[int, np.ndarray]
+    probs: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (q_heads, tokens, tokens)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.keys)
+
+    def k(self, layer: int, head: int = 0) -> np.ndarray:
+        """Post-RoPE keys of one KV head: (tokens, head_dim)."""
+        return self.keys[layer][head]
+
+    def v(self, layer: int, head: int = 0) -> np.ndarray:
+        """Values of one KV head: (tokens, head_dim)."""
+        return self.values[layer][head]
+
+    def sink_mass(self, sink: int = 128, after: int | None = None) -> np.ndarray:
+        """(layers, q_heads): mean share of attention that queries at positions >= `after` put on tokens < `sink`."""
+        if not self.probs:
+            raise ValueError("this capture has no attention weights; call capture(..., attention=True)")
+        after = sink if after is None else after
+        rows = []
+        for layer in self.layers:
+            p = self.probs[layer][:, after:, :sink]
+            rows.append(p.sum(-1).mean(-1) if p.shape[1] else np.zeros(p.shape[0]))
+        return np.stack(rows)
+
+    def _repr_html_(self) -> str:
+        kv = self.keys[self.layers[0]]
+        return (f"<b>Capture</b> of <code>{html.escape(self.model)}</code>: {len(self.tokens)} tokens, "
+                f"{len(self.layers)} attention layers, {kv.shape[0]} KV head(s) of dim {kv.shape[2]}"
+                f"{', with attention weights' if self.probs else ''}")
+
+
+def capture(model: Any, tokens: list[int] | mx.array, attention: bool = False) -> Capture:
+    """Run `tokens` through the model with fp16 caches and read back every layer's K/V (and softmax)."""
+    ids = mx.array(tokens).reshape(1, -1)
+    cache = make_cache(model, "fp16", quiet=True)
+    for c in cache:
+        if type(c) is FP16Cache:
+            c.__class__ = _RecordingFP16Cache
+            c.probs = []
+    mx.eval(model(ids, cache=cache))
+    keys, values, probs = {}, {}, {}
+    for i, c in enumerate(cache):
+        if isinstance(c, _RecordingFP16Cache) and c.offset:
+            keys[i] = np.array(c.keys.view(c.offset)[0].astype(mx.float32))
+            values[i] = np.array(c.values.view(c.offset)[0].astype(mx.float32))
+            if attention and c.probs:
+                probs[i] = np.array(c.probs[-1][0])
+    return Capture(model_name(model), [int(t) for t in ids[0].tolist()], keys, values, probs)
+
+
+def logits_with(model: Any, tokens: list[int] | mx.array, scheme: str = "fp16", chunk: int | None = None,
+                **options: Any) -> tuple[np.ndarray, PromptCache]:
+    """Teacher-forced log-probabilities (tokens, vocab) under a scheme's cache, fed in chunks of `chunk`."""
+    ids = mx.array(tokens).reshape(1, -1)
+    cache = make_cache(model, scheme, quiet=True, **options)
+    step = chunk or ids.shape[1]
+    outs = []
+    for s in range(0, ids.shape[1], step):
+        logits = model(ids[:, s : s + step], cache=cache).astype(mx.float32)
+        outs.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        mx.eval(outs[-1])
+    return np.array(mx.concatenate(outs, axis=1)[0]), cache
+
+
+def kl_between(ref_logprobs: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
+    """KL(ref || other) in nats at each position, from two (tokens, vocab) log-probability arrays."""
+    return np.maximum((np.exp(ref_logprobs) * (ref_logprobs - logprobs)).sum(-1), 0.0)
+
+
+def teacher_forced_kl(model: Any, tokens: list[int], scheme: str, ref: np.ndarray | None = None,
+                      chunk: int | None = None, **options: Any) -> np.ndarray:
+    """Per-position KL (nats) of the next-token distribution under `scheme` against an fp16 cache."""
+    if ref is None:
+        ref, _ = logits_with(model, tokens, "fp16", chunk=chunk)
+    got, _ = logits_with(model, tokens, scheme, chunk=chunk, **options)
+    return kl_between(ref, got)
+
+
+@dataclass
+class Generation:
+    """A greedy generation under one scheme, with its speed and final cache size."""
+
+    label: str
+    prompt_tokens: int
+    tokens: list[int]
+    pieces: list[str]
+    seconds: float
+    cache_bytes: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def _repr_html_(self) -> str:
+        return (f"<b>{html.escape(self.label)}</b>: {html.escape(self.text)}<br><small>{len(self.tokens)} tokens, "
+                f"{self.tokens_per_s:.1f} tok/s, cache {self.cache_bytes / 1024:.1f} KiB</small>")
+
+
+def generate(model: Any, tokenizer: Any, prompt: str | list[int], scheme: str = "fp16", max_tokens: int = 24,
+             **options: Any) -> Generation:
+    """Greedy decoding of `max_tokens` after `prompt` with the scheme's cache (prefill, then one token a step)."""
+    from .registry import get_scheme
+
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    cache = make_cache(model, scheme, quiet=True, **options)
+    label = get_scheme(scheme).label(get_scheme(scheme).resolve(**options))
+    start = time.perf_counter()
+    logits = model(mx.array(ids)[None], cache=cache)
+    out: list[int] = []
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    for _ in range(max_tokens):
+        nxt = int(mx.argmax(logits[0, -1]).item())
+        out.append(nxt)
+        if nxt in eos:
+            break
+        logits = model(mx.array([[nxt]]), cache=cache)
+    seconds = time.perf_counter() - start
+    pieces = [tokenizer.decode([t]) for t in out]
+    return Generation(label, len(ids), out, pieces, seconds, cache.nbytes)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (None if one is a prefix of the other)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+def kvarn_region_tokens(context: int, kv_tail_tokens: int, sink: int = 128, record: int = 128) -> dict[str, int]:
+    """Tokens in each kvarn region after `context` tokens arrived one at a time (KVarNCache's geometry).
+
+    The sink takes the first `sink` tokens; the rest wait as fp16 until they have
+    left the newest `kv_tail_tokens` and their group of `record` is complete.
+    `tests/test_viz.py` checks this against `KVarNCache.region_tokens()`.
+    """
+    s = min(context, sink)
+    recent = context - s
+    sealed = max(recent - kv_tail_tokens, 0) // record * record
+    recent -= sealed
+    tail = min(recent, kv_tail_tokens)
+    return {"sink": s, "body": sealed, "live": recent - tail, "tail": tail}

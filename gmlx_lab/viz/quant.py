@@ -1,0 +1,124 @@
+"""Quantize real K/V rows and blocks the way each scheme does, and measure the error.
+
+These helpers call the same MLX ops and record functions as the caches
+(`mx.quantize`, `mx.hadamard_transform`, `records.encode_record`), on numpy
+input, so a notebook can look at one row or one record in isolation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache import records
+
+__all__ = ["AffineRow", "affine_row", "hadamard", "quant_error", "normalize_history", "record_of"]
+
+
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """The normalized Walsh-Hadamard transform of the last axis (its own inverse)."""
+    return np.array(mx.hadamard_transform(mx.array(x, dtype=mx.float32)))
+
+
+@dataclass
+class AffineRow:
+    """One row quantized affinely: its codes, each group's scale and offset, and the reconstruction."""
+
+    values: np.ndarray
+    codes: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray
+    recon: np.ndarray
+    bits: int
+    group_size: int
+
+    @property
+    def stored_bits_per_value(self) -> float:
+        """Code bits plus the share of the fp16 scale and offset: bits + 32 / group_size."""
+        return self.bits + 32 / self.group_size
+
+
+def affine_row(row: np.ndarray, bits: int = 4, group_size: int = 64) -> AffineRow:
+    """Quantize one row with `mx.quantize` (affine mode, fp16 scales) and unpack its codes for display."""
+    x = mx.array(np.asarray(row, np.float32)[None]).astype(mx.float16)
+    w, s, b = mx.quantize(x, group_size=group_size, bits=bits)
+    recon = mx.dequantize(w, s, b, group_size=group_size, bits=bits).astype(mx.float32)
+    scales = np.array(s.astype(mx.float32))[0]
+    offsets = np.array(b.astype(mx.float32))[0]
+    recon_np = np.array(recon)[0]
+    codes = np.rint((recon_np - np.repeat(offsets, group_size)) / np.repeat(np.where(scales == 0, 1, scales),
+                                                                            group_size)).astype(int)
+    return AffineRow(np.asarray(row, np.float32), codes, scales, offsets, recon_np, bits, group_size)
+
+
+def _affine(x: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    a = mx.array(x, dtype=mx.float32).astype(mx.float16)
+    w, s, b = mx.quantize(a, group_size=group_size, bits=bits)
+    return np.array(mx.dequantize(w, s, b, group_size=group_size, bits=bits).astype(mx.float32))
+
+
+def record_of(block: np.ndarray, bits: int, kind: str, iters: int = 16) -> records.Records:
+    """Encode a (128 tokens, 128 channels) block, rotating it first as the kvarn cache does."""
+    return records.encode_record(mx.array(hadamard(block)), bits, kind, iters)
+
+
+def _kvarn(x: np.ndarray, bits: int, kind: str) -> np.ndarray:
+    """Quantize (tokens, D) through kvarn records (tokens a multiple of 128), back in the original space."""
+    t, d = x.shape
+    rot = hadamard(x)
+    out = np.empty_like(rot)
+    for i in range(0, t, records.TILE):
+        for j in range(0, d, records.TILE):
+            rec = records.encode_record(mx.array(rot[i:i + 128, j:j + 128]), bits, kind)
+            out[i:i + 128, j:j + 128] = np.array(records.decode_record(rec))
+    return hadamard(out)
+
+
+def quant_error(x: np.ndarray, method: str, bits: int, group_size: int = 64, kind: str = "k") -> float:
+    """Relative error ||x - x_hat|| / ||x|| of quantizing (tokens, head_dim) with `method`.
+
+    method: "affine", "affine_rot" (Hadamard, affine, Hadamard back) or "kvarn"
+    (rotation + records; tokens must be a multiple of 128, head_dim of 128).
+    """
+    x = np.asarray(x, np.float32)
+    if method == "affine":
+        xh = _affine(x, bits, group_size)
+    elif method == "affine_rot":
+        xh = hadamard(_affine(hadamard(x), bits, group_size))
+    elif method == "kvarn":
+        if x.shape[0] % 128 or x.shape[1] % 128:
+            raise ValueError(f"kvarn error needs tokens and head_dim multiples of 128, got {x.shape}")
+        xh = _kvarn(x, bits, kind)
+    else:
+        raise ValueError(f"unknown method {method!r}; accepted: affine, affine_rot, kvarn")
+    return float(np.linalg.norm(x - xh) / max(np.linalg.norm(x), 1e-12))
+
+
+def normalize_history(tile: np.ndarray, iters: int = 16) -> tuple[list[float], int]:
+    """Imbalance of a (rows, cols) tile after each normalization round (round 0: unscaled) and the round kept.
+
+    A copy of `records.normalize`'s loop for one tile that also keeps every
+    round's score; it calls the record module's own `imbalance` and std
+    helpers and constants, so the two cannot drift apart silently
+    (`tests/test_viz.py` checks the kept scales against `records.normalize`).
+    """
+    t = mx.array(np.asarray(tile, np.float32))
+    log_row = mx.zeros(t.shape[:-1], mx.float32)
+    log_col = mx.zeros(t.shape[-1:], mx.float32)
+
+    def scaled() -> mx.array:
+        return t / (mx.exp(log_row)[:, None] * mx.exp(log_col)[None, :])
+
+    history = [float(records.imbalance(t).item())]
+    best = 0
+    for r in range(1, iters + 1):
+        col_std, _ = records._stds(scaled())
+        log_col = mx.clip(log_col + mx.log(mx.clip(col_std, *records.STD_CLAMP)), *records.LOG_SCALE_CLIP)
+        _, row_std = records._stds(scaled())
+        log_row = mx.clip(log_row + mx.log(mx.clip(row_std, *records.STD_CLAMP)), *records.LOG_SCALE_CLIP)
+        history.append(float(records.imbalance(scaled()).item()))
+        if history[-1] <= history[best]:
+            best = r
+    return history, best

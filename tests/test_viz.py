@@ -1,0 +1,132 @@
+"""The notebook library: region geometry, byte formulas, normalization history, captures, figures, widgets."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+from conftest import random_kv
+
+import gmlx_lab
+from gmlx_lab import kv_inspect, viz
+from gmlx_lab.cache import KVarNCache, records
+from gmlx_lab.models import BUNDLED_MODEL_DIR, specimen
+
+
+@pytest.mark.parametrize("context,tail", [(0, 0), (100, 0), (128, 0), (300, 0), (700, 128), (700, 256), (1300, 1024)])
+def test_region_geometry_matches_the_cache(context: int, tail: int) -> None:
+    cache = KVarNCache(4, 4, kv_tail_tokens=tail)
+    if context:
+        k, v = random_kv(context, heads=1)
+        for s in range(0, context, 250):  # chunked prefill ends in the same state as one token at a time
+            cache.update_and_fetch(k[:, :, s : s + 250], v[:, :, s : s + 250])
+    assert kv_inspect.kvarn_region_tokens(context, tail) == cache.region_tokens()
+
+
+def test_kvarn_layer_bytes_match_the_cache() -> None:
+    context, tail = 700, 128
+    cache = KVarNCache(4, 6, kv_tail_tokens=tail)
+    k, v = random_kv(context, heads=1)
+    cache.update_and_fetch(k, v)
+    shape = viz.LayerShape("attention", 1, 128, 128)
+    options = {"k_bits": 4, "v_bits": 6, "kv_tail_tokens": tail}
+    assert viz.layer_bytes(shape, "kvarn", context, options) == cache.nbytes
+
+
+def test_fp16_and_affine_formulas() -> None:
+    shape = viz.LayerShape("attention", 2, 128, 128)
+    assert viz.layer_bytes(shape, "fp16", 10, {}) == 2 * 10 * 256 * 2
+    assert viz.layer_bytes(shape, "affine", 10, {"bits": 8, "group_size": 64}) == 2 * 10 * 256 * (1 + 4 / 64)
+    window = viz.LayerShape("sliding-window", 1, 128, 128, window=128)
+    assert viz.layer_bytes(window, "fp16", 1000, {}) == viz.layer_bytes(window, "fp16", 128, {})
+
+
+def test_normalize_history_keeps_the_round_records_keeps() -> None:
+    k, _ = random_kv(128, heads=1)
+    tile = np.array(mx.hadamard_transform(k[0, 0]).T)
+    history, best = viz.normalize_history(tile, iters=16)
+    _, _, before, after = records.normalize(mx.array(tile), 16)
+    assert len(history) == 17
+    assert history[0] == pytest.approx(before.item(), rel=1e-5)
+    assert history[best] == pytest.approx(after.item(), rel=1e-5)
+    assert history[best] == min(history)
+
+
+def test_quant_error_orders() -> None:
+    k, _ = random_kv(128, heads=1)
+    x = np.array(k[0, 0])
+    errs = [viz.quant_error(x, "affine", b) for b in (2, 4, 8)]
+    assert errs[0] > errs[1] > errs[2] > 0
+    assert viz.quant_error(x, "affine_rot", 4) < viz.quant_error(x, "affine", 4)  # K has outlier channels
+    assert viz.quant_error(x, "kvarn", 4) < errs[0]
+    with pytest.raises(ValueError, match="multiples of 128"):
+        viz.quant_error(x[:100], "kvarn", 4)
+
+
+def test_capture_reads_kv_and_attention(model) -> None:
+    cap = kv_inspect.capture(model, list(range(1, 161)), attention=True)
+    assert cap.layers == [0, 1, 2, 3]
+    assert cap.k(0).shape == (160, 128) and cap.v(3, 1).shape == (160, 128)
+    p = cap.probs[0]
+    assert np.allclose(p.sum(-1), 1, atol=1e-4)
+    assert np.allclose(np.triu(p[0], 1), 0)  # causal
+    mass = cap.sink_mass(sink=128)
+    assert mass.shape == (4, 4) and np.all((mass >= 0) & (mass <= 1 + 1e-5))
+    assert "160 tokens" in cap._repr_html_()
+
+
+def test_teacher_forced_kl(model) -> None:
+    ids = list(range(1, 301))
+    assert np.allclose(kv_inspect.teacher_forced_kl(model, ids, "fp16"), 0, atol=1e-6)
+    kl = kv_inspect.teacher_forced_kl(model, ids, "kvarn", bits=2, kv_tail_tokens=0)
+    assert kl[:128].max() < 1e-4 < kl[256:].mean()  # the sink stays fp16 (rotated); sealed records cost more
+    assert kv_inspect.first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert kv_inspect.first_divergence([1, 2], [1, 2, 3]) is None
+
+
+def test_figures_build_and_serialize() -> None:
+    k, v = random_kv(256, heads=1)
+    x = np.array(k[0, 0])
+    rec = viz.record_of(x[128:], 4, "k")
+    history, best = viz.normalize_history(np.array(mx.hadamard_transform(k[0, 0, 128:]).T))
+    pols = [gmlx_lab.policy(specimen(f), "kvarn") for f in ("llama", "gemma3", "deepseek_v3")]
+    figs = [
+        viz.affine_row_figure(viz.affine_row(x[0])),
+        viz.error_figure([{"method": "affine", "bits": 4, "error": 0.1}]),
+        viz.channel_figure(x),
+        viz.record_figure(rec),
+        viz.imbalance_figure(history, best),
+        viz.code_histogram(rec),
+        viz.regions_bar(1500, 1024),
+        viz.regions_stream(2048, 128),
+        viz.sink_mass_figure(np.random.rand(4, 3)),
+        viz.policy_strip(pols),
+        viz.kl_strip(np.random.rand(8)),
+        viz.growth_figure({"a": ([0, 1], [0.0, 1.0])}),
+    ]
+    for fig in figs:
+        assert isinstance(fig, go.Figure)
+        json.loads(fig.to_json())
+    assert "<table>" in viz.Table([{"a": 1, "b": 0.5}])._repr_html_()
+
+
+def test_policy_bytes_family_savings() -> None:
+    curves = viz.family_curves([0, 4096], "fp16")
+    assert set(curves) == set(gmlx_lab.models.FAMILIES)
+    llama = curves["llama"]
+    assert llama["bytes"][0] == 0 and llama["bytes"][1] > 0
+    pol = gmlx_lab.policy(specimen("llama"), "kvarn")
+    assert 0.5 < viz.policy_bytes(pol, 32768) / (llama["bytes"][1] * 8) < 0.6  # 3 of 4 layers at ~40%
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").is_file(), reason="bundled teaching model not built")
+def test_compare_app_updates_on_scheme_change() -> None:
+    from gmlx_lab import widgets
+
+    picker = widgets.model_picker()
+    app = widgets.compare(picker.model, picker.tokenizer, context_tokens=160, max_tokens=4, scheme="kvarn")
+    before = app.kl_fig.layout.title.text
+    app.scheme.value = "affine"
+    assert app.kl_fig.layout.title.text != before and "affine" in app.kl_fig.layout.title.text
+    assert "fp16" in app.texts.value and "tokens/s" in app.stats.value
