@@ -1,0 +1,152 @@
+"""Decode attention speed: fp16 SDPA, mlx-lm's affine path, and the fused affine/kvarn kernels.
+
+One query token, 32 q heads / 8 kv heads, head_dim 128, contexts 4K/32K/128K, all in one run.
+Each timing evaluates `--iters` independent calls in one `mx.eval` (the eval round trip is
+~42 us on the H200) and divides; the median of `--repeats` timings is reported, with the
+effective GB/s of cache bytes read and the ratio to fp16 SDPA. Also times sealing one record
+group (K and V of 128 tokens for all kv heads) with the GPU kernel and with `encode_tiles`.
+Usage: python benchmarks/decode_attention.py --out benchmarks/results/decode_attention-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+from gmlx_lab.cache.affine import AffineCache
+from gmlx_lab.cache.kvarn import KVarNCache
+from gmlx_lab.cache.records import encode_tiles
+from gmlx_lab.kernels import active_backend, seal_records
+
+HQ, HKV, D = 32, 8, 128
+
+
+def timed(fn: Callable[[], mx.array], iters: int, repeats: int) -> float:
+    """Median microseconds per call of fn over `repeats` batches of `iters` calls."""
+    mx.eval(fn())
+    mx.eval([fn() for _ in range(3)])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval([fn() for _ in range(iters)])
+        times.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(times)
+
+
+def nbytes(*arrays: mx.array | None) -> int:
+    return sum(a.nbytes for a in arrays if a is not None)
+
+
+def bench_context(tokens: int, iters: int, repeats: int) -> list[dict]:
+    """All implementations at one context length."""
+    mx.random.seed(tokens)
+    k = mx.random.normal((1, HKV, tokens, D)).astype(mx.float16)
+    v = mx.random.normal((1, HKV, tokens, D)).astype(mx.float16)
+    q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+    scale = D**-0.5
+    mx.eval(k, v, q)
+    rows = []
+
+    def add(impl: str, fn: Callable[[], mx.array], read: int, **extra: object) -> None:
+        us = timed(fn, iters, repeats)
+        rows.append({"impl": impl, "context": tokens, "us": round(us, 2), "cache_bytes": read,
+                     "gb_per_s": round(read / us / 1e3, 1), **extra})
+        print(f"{impl:16s} {tokens:7d} {us:9.1f} us  {read / us / 1e3:7.1f} GB/s", flush=True)
+
+    add("fp16_sdpa", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), nbytes(k, v))
+    for bits in (8, 4):
+        qk = mx.quantize(k, group_size=64, bits=bits)
+        qv = mx.quantize(v, group_size=64, bits=bits)
+        mx.eval(qk, qv)
+        add(f"mlx_lm_affine{bits}", lambda qk=qk, qv=qv, bits=bits: quantized_scaled_dot_product_attention(
+            q, qk, qv, scale=scale, mask=None, group_size=64, bits=bits), nbytes(*qk, *qv))
+        del qk, qv
+    for bits in (8, 4):
+        c = AffineCache(bits, 64)
+        c.update_and_fetch(k, v)
+        c.attention_path = "fused"
+        mx.eval([b.data for bufs in c.packed for b in bufs])
+        read = nbytes(*(b.view(c.offset) for bufs in c.packed for b in bufs))
+        add(f"fused_affine{bits}", lambda c=c: c.attend(q, scale, None), read)
+        del c
+    for bits in (6, 4):
+        c = KVarNCache(bits, bits, kv_tail_tokens=1024)
+        c.update_and_fetch(k, v)
+        c.attention_path = "fused"
+        mx.eval(c.sink, c.recent, [list(b.values()) for b in c.body if b])
+        read = nbytes(*c.sink, *c.recent) + sum(nbytes(*b.values()) for b in c.body if b)
+        add(f"fused_kvarn{bits}", lambda c=c: c.attend(q, scale, None), read, records=c.n_records)
+        del c
+    base = next(r["us"] for r in rows if r["impl"] == "fp16_sdpa")
+    for r in rows:
+        r["ratio_to_fp16"] = round(r["us"] / base, 3)
+    return rows
+
+
+def bench_seal(iters: int, repeats: int) -> dict:
+    """Sealing one 128-token group: K and V records of all kv heads, GPU kernel against encode_tiles."""
+    k = mx.hadamard_transform(mx.random.normal((1, HKV, 128, D))).astype(mx.float16)
+    v = mx.hadamard_transform(mx.random.normal((1, HKV, 128, D))).astype(mx.float16)
+    mx.eval(k, v)
+
+    def kernel() -> list[mx.array]:
+        return [f for r in (seal_records(k, 6, "k"), seal_records(v, 6, "v")) for f in (r.codes, r.scale_axis)]
+
+    def reference() -> list[mx.array]:
+        out = []
+        for x, kind in ((k, "k"), (v, "v")):
+            r = encode_tiles(KVarNCache._to_tiles(x, kind), 6, kind)
+            out += [r.codes, r.scale_axis]
+        return out
+
+    def timed_list(fn: Callable[[], list[mx.array]], n: int) -> float:
+        mx.eval(fn())
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mx.eval([fn() for _ in range(n)])
+            ts.append((time.perf_counter() - t0) / n * 1e6)
+        return statistics.median(ts)
+
+    return {"records_per_seal": 2 * HKV, "kernel_us": round(timed_list(kernel, iters), 1),
+            "encode_tiles_us": round(timed_list(reference, max(iters // 10, 2)), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default="benchmarks/results/decode_attention-h200.json")
+    args = ap.parse_args()
+    if active_backend() == "cpu":
+        raise SystemExit("decode_attention.py measures the GPU kernels; MLX runs on the CPU here")
+    rows = [r for t in args.contexts for r in bench_context(t, args.iters, args.repeats)]
+    seal = bench_seal(args.iters, args.repeats)
+    kv6_128k = [r["us"] for r in rows if r["impl"] == "fused_kvarn6"][-1]
+    seal["per_token_us"] = round(seal["kernel_us"] / 128, 3)
+    seal["share_of_decode_step_kvarn6_last_context"] = round(seal["kernel_us"] / 128 / kv6_128k, 4)
+    seal["seal_event_over_decode_step"] = round(seal["kernel_us"] / kv6_128k, 3)
+    print("seal", seal)
+    device = mx.device_info() if hasattr(mx, "device_info") else {}
+    result = {"device": str(device.get("device_name", platform.node())), "backend": active_backend(),
+              "mlx": mx.__version__, "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "query_tokens": 1},
+              "method": f"median of {args.repeats} timings, each {args.iters} calls in one mx.eval, after warm-up",
+              "rows": rows, "seal": seal}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{'impl':16s} " + " ".join(f"{t:>14d}" for t in args.contexts))
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        cells = [f"{r['us']:7.1f} ({r['ratio_to_fp16']:.2f}x)" for r in rows if r["impl"] == impl]
+        print(f"{impl:16s} " + " ".join(f"{c:>14s}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

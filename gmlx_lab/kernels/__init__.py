@@ -1,0 +1,17 @@
+"""Fused GPU kernels for the quantized caches: one body per kernel, a prelude per backend (CUDA, Metal).
+
+- `kvarn_decode`: decode attention straight from kvarn records (split-K, online softmax);
+- `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
+- `split_merge`: merges the splits (and the fp16 part) by log-sum-exp;
+- `kvarn_seal`: variance normalization, rounding and packing of records.
+On the CPU nothing here runs; the caches use their pure-MLX reference attention.
+"""
+
+from .build import active_backend, assemble
+from .decode import affine_attend, affine_supported, kvarn_attend, kvarn_supported, merge_splits
+from .seal import seal_records
+
+KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal")
+
+__all__ = ["KERNELS", "active_backend", "assemble", "affine_attend", "affine_supported", "kvarn_attend",
+           "kvarn_supported", "merge_splits", "seal_records"]

@@ -1,0 +1,19 @@
+// Prelude for mx.fast.cuda_kernel: the names every kernel body in this folder uses.
+// MLX generates `__global__ void name(const T* in..., T* out...)`; this text goes in its header.
+#define GMLX_CUDA 1
+#define SHARED __shared__                        // per-threadgroup (per-block) memory
+#define GLOBAL_CONST const                       // a read-only pointer into device memory
+#define GLOBAL                                   // a writable pointer into device memory
+#define BARRIER() __syncthreads()                // every thread of the group waits here
+#define UNROLL _Pragma("unroll")
+#define FN __device__ __forceinline__
+#define HALF __half                              // MLX's float16 inputs are __half here
+#define TO_FLOAT(x) __half2float(x)
+#define TO_HALF(x) __float2half_rn(x)
+#define NEG_INF (-__int_as_float(0x7f800000))
+typedef unsigned int u32;
+
+// Warp (32-lane SIMD group) reductions by butterfly shuffles.
+FN float simd_sum_f(float x) { for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o); return x; }
+FN float simd_max_f(float x) { for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o)); return x; }
+FN float simd_min_f(float x) { for (int o = 16; o > 0; o >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o)); return x; }
