@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .cache.attention import apply_mask
+from .cache.attention import grouped_output, grouped_scores
 from .cache.fp16 import FP16Cache
 from .policy import PromptCache, make_cache, model_name
 
@@ -45,16 +45,9 @@ class _RecordingFP16Cache(FP16Cache):
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         keys = self.keys.view(self.offset).astype(queries.dtype)
         values = self.values.view(self.offset).astype(queries.dtype)
-        b, hq, length, d = queries.shape
-        hkv = keys.shape[1]
-        q = (queries * scale).reshape(b, hkv, hq // hkv, length, d)
-        scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
-        if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
-            mask = mx.expand_dims(mask, 2)
-        probs = mx.softmax(apply_mask(scores, mask).astype(mx.float32), axis=-1)
-        self.probs.append(probs.reshape(b, hq, length, -1))
-        out = probs.astype(values.dtype) @ mx.expand_dims(values, 2)
-        return out.reshape(b, hq, length, d)
+        probs = mx.softmax(grouped_scores(queries, keys, scale, mask), axis=-1)
+        self.probs.append(probs.reshape(queries.shape[0], queries.shape[1], queries.shape[2], -1))
+        return grouped_output(probs, values)
 
 
 def eval_tokens(tokenizer: Any, n: int = 256, start: int = 0, bos: bool = True) -> list[int]:

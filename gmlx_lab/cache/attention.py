@@ -58,14 +58,11 @@ def apply_mask(scores: mx.array, mask: Any) -> mx.array:
     return scores + mask
 
 
-def grouped_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
-) -> tuple[mx.array, mx.array]:
-    """Softmax attention with GQA that also returns the log-sum-exp of each query's scores.
+def grouped_scores(queries: mx.array, keys: mx.array, scale: float, mask: Any) -> mx.array:
+    """Masked float32 attention scores (B, Hkv, G, L, T) of queries (B, Hq, L, D) over keys (B, Hkv, T, D).
 
-    queries (B, Hq, L, D); keys/values (B, Hkv, T, D). Returns the output
-    (B, Hq, L, D) and lse (B, Hq, L), so partial results over disjoint key sets
-    can be merged into one softmax with `merge_partials`.
+    The Hq query heads are viewed as Hkv groups of G = Hq / Hkv, so each group shares
+    its KV head (grouped-query attention) without copying K.
     """
     b, hq, length, d = queries.shape
     hkv = keys.shape[1]
@@ -73,11 +70,28 @@ def grouped_attention(
     scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
     if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
         mask = mx.expand_dims(mask, 2)
-    scores = apply_mask(scores, mask).astype(mx.float32)
+    return apply_mask(scores, mask).astype(mx.float32)
+
+
+def grouped_output(probs: mx.array, values: mx.array) -> mx.array:
+    """Weights (B, Hkv, G, L, T) times values (B, Hkv, T, D), back to (B, Hq, L, D)."""
+    b, hkv, g, length, _ = probs.shape
+    out = probs.astype(values.dtype) @ mx.expand_dims(values, 2)
+    return out.reshape(b, hkv * g, length, values.shape[-1])
+
+
+def grouped_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> tuple[mx.array, mx.array]:
+    """Softmax attention with GQA that also returns the log-sum-exp of each query's scores.
+
+    Returns the output (B, Hq, L, D) and lse (B, Hq, L), so partial results over
+    disjoint key sets can be merged into one softmax with `merge_partials`.
+    """
+    scores = grouped_scores(queries, keys, scale, mask)
     lse = mx.logsumexp(scores, axis=-1)
-    probs = mx.exp(scores - lse[..., None]).astype(values.dtype)
-    out = probs @ mx.expand_dims(values, 2)
-    return out.reshape(b, hq, length, d), lse.reshape(b, hq, length)
+    out = grouped_output(mx.exp(scores - lse[..., None]), values)
+    return out, lse.reshape(queries.shape[:3])
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> mx.array:
