@@ -139,6 +139,15 @@ def test_kvarn_errors_name_the_layer():
         KVarNCache(6, 6, kv_tail_tokens=-1)
 
 
+def test_deferred_finiteness_flags_raise_at_the_next_check():
+    """On a GPU the flags of one seal are read at the next seal; the check names the layer."""
+    cache = KVarNCache(6, 6, layer=5)
+    cache._unchecked.append(("v", mx.array(False)))
+    with pytest.raises(ValueError, match="layer 5: non-finite values"):
+        cache.check_finite()
+    cache.check_finite()  # flags are consumed once read
+
+
 def test_env_override_of_widths(monkeypatch):
     kvarn = get_scheme("kvarn")
     assert kvarn.resolve()["k_bits"] == 6

@@ -15,7 +15,8 @@ Choices where the spec is silent: the sink and tail are stored rotated too
 own queries attend (as mlx-lm's and llama.cpp's quantized caches do), so a long
 prefill chunk sees its own sealed tokens quantized while decode sees exactly the
 state one token at a time would produce; K/V are checked for non-finite values
-when a record is sealed (checking every step would stall the GPU pipeline).
+when a record is sealed (checking every step would stall the pipeline); on a GPU
+the check of one seal is read at the next seal, so it never waits on the GPU.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class KVarNCache(GmlxCache):
         self.sink: list[mx.array | None] = [None, None]  # K, V: (B, H, <=128, D) fp16, rotated
         self.body: list[dict[str, mx.array] | None] = [None, None]  # K, V record fields (B, H, R, S, ...)
         self.recent: list[mx.array | None] = [None, None]  # K, V: live + tail, (B, H, n, D) fp16, rotated
+        self._unchecked: list[tuple[str, mx.array]] = []  # finiteness flags of sealed chunks not yet read
 
     # -- geometry -------------------------------------------------------------------------
     @property
@@ -107,22 +109,42 @@ class KVarNCache(GmlxCache):
         return self._return(k, v)
 
     def _seal(self) -> None:
-        """Move every complete group of 128 that has left the tail into records."""
+        """Move every complete group of 128 that has left the tail into records.
+
+        On a GPU backend (and attention_path != "reference") the `kvarn_seal` kernel encodes the records
+        in the same launch queue as decode, so sealing never waits on the CPU. On the CPU, `encode_tiles`.
+        """
         n = (_tokens(self.recent[0]) - self.kv_tail_tokens) // TILE
         if n <= 0:
             return
+        from ..kernels import active_backend, seal_records
+
+        on_gpu = self.attention_path != "reference" and active_backend() != "cpu"
+        self.check_finite()  # the previous seal's flags: computed by now, reading them does not stall
         for i, (bits, kind) in enumerate(((self.k_bits, "k"), (self.v_bits, "v"))):
             chunk = self.recent[i][..., : n * TILE, :]
-            if not mx.all(mx.isfinite(chunk)).item():
+            self._unchecked.append((kind, mx.all(mx.isfinite(chunk))))
+            if on_gpu:
+                new = seal_records(chunk, bits, kind, self.norm_iters)
+            else:
+                self.check_finite()
+                new = encode_tiles(self._to_tiles(chunk, kind), bits, kind, self.norm_iters)
+            fields = {f: getattr(new, f) for f in _FIELDS}
+            old = self.body[i]
+            self.body[i] = fields if old is None else {f: mx.concatenate([old[f], fields[f]], axis=2) for f in _FIELDS}
+            # contiguous copies once per seal, so the fused kernels read them without a copy per decode step
+            self.recent[i] = mx.contiguous(self.recent[i][..., n * TILE :, :])
+            self.sink[i] = mx.contiguous(self.sink[i])
+
+    def check_finite(self) -> None:
+        """Raise if K/V sealed since the last check held inf or nan (records would be garbage)."""
+        pending, self._unchecked = self._unchecked, []
+        for kind, finite in pending:
+            if not finite.item():
                 raise ValueError(
                     f"{self.where()}: non-finite {'keys' if kind == 'k' else 'values'} (inf or nan) "
                     f"in tokens being sealed; kvarn needs finite K/V"
                 )
-            new = encode_tiles(self._to_tiles(chunk, kind), bits, kind, self.norm_iters)
-            fields = {f: getattr(new, f) for f in _FIELDS}
-            old = self.body[i]
-            self.body[i] = fields if old is None else {f: mx.concatenate([old[f], fields[f]], axis=2) for f in _FIELDS}
-            self.recent[i] = self.recent[i][..., n * TILE :, :]
 
     @staticmethod
     def _to_tiles(x: mx.array, kind: str) -> mx.array:

@@ -2,7 +2,7 @@
 
 - `kvarn_decode`: decode attention straight from kvarn records (split-K, online softmax);
 - `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
-- `split_merge`: merges the splits (and the fp16 part) by log-sum-exp;
+- `split_merge`: merges the splits by log-sum-exp and rotates the output back;
 - `kvarn_seal`: variance normalization, rounding and packing of records.
 On the CPU nothing here runs; the caches use their pure-MLX reference attention.
 """

@@ -13,20 +13,20 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cache.attention import grouped_attention
 from ..cache.records import unpack_rows
 from .build import launch
 
-QB_MAX = 8  # query vectors (GQA group x query tokens) handled by one threadgroup
+QB_MAX = 4  # query vectors (GQA group x query tokens) per threadgroup; kvarn keeps QB * slices <= 4
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
 MAX_QUERY_TOKENS = 4
 NEG_INF = float("-inf")
+DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled variant per dtype
 
 
 def group_queries(q: mx.array, hkv: int) -> mx.array:
-    """(B, Hq, L, D) to (B*Hkv, G*L, D) float32: vector j = g*L + l of each kv head."""
+    """(B, Hq, L, D) to (B*Hkv, G*L, D): vector j = g*L + l of each kv head (a free reshape)."""
     b, hq, length, d = q.shape
-    return q.astype(mx.float32).reshape(b * hkv, (hq // hkv) * length, d)
+    return q.reshape(b * hkv, (hq // hkv) * length, d)
 
 
 def ungroup(x: mx.array, b: int, hq: int, length: int) -> mx.array:
@@ -40,8 +40,14 @@ def int_params(*values: int) -> mx.array:
     return mx.array(values, mx.int32)
 
 
-def _chunks(nq: int) -> tuple[int, int]:
-    qb = min(nq, QB_MAX)
+@cache
+def float_params(*values: float) -> mx.array:
+    """A small float32 parameter array (the softmax scale), kept like `int_params`."""
+    return mx.array(values, mx.float32)
+
+
+def _chunks(nq: int, qb_max: int) -> tuple[int, int]:
+    qb = max(1, min(nq, qb_max))
     return qb, (nq + qb - 1) // qb
 
 
@@ -51,53 +57,77 @@ def split_size(units: int, groups_per_split: int) -> int:
     return -(-units // nsplit)
 
 
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 # -- merge --------------------------------------------------------------------------------
-def merge_splits(part_o: mx.array, part_lse: mx.array, extra: tuple[mx.array, mx.array] | None = None,
+def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dtype: mx.Dtype = mx.float32,
                  emulate: bool = False) -> tuple[mx.array, mx.array]:
-    """Merge split partials (BH, NSPLIT, NQ, D) / (BH, NSPLIT, NQ) and an optional extra part into one softmax."""
+    """Merge split partials (BH, NSPLIT, NQ, D) / (BH, NSPLIT, NQ) into one softmax: out (BH, NQ, D), lse.
+
+    rotate=True also applies the normalized Hadamard transform to the merged output (kvarn and rotated
+    affine caches attend in rotated space); the output has `dtype`.
+    """
     bh, nsplit, nq, d = part_o.shape
     if emulate:
-        los = [part_lse] + ([] if extra is None else [extra[1][:, None]])
-        os_ = [part_o] + ([] if extra is None else [extra[0][:, None]])
-        lse_all, o_all = mx.concatenate(los, axis=1), mx.concatenate(os_, axis=1)
-        big = lse_all.max(axis=1, keepdims=True)
-        w = mx.where(lse_all == NEG_INF, 0.0, mx.exp(lse_all - big))
+        big = part_lse.max(axis=1, keepdims=True)
+        w = mx.where(part_lse == NEG_INF, 0.0, mx.exp(part_lse - big))
         den = w.sum(axis=1)
-        out = (w[..., None] * o_all).sum(axis=1) / mx.maximum(den, 1e-38)[..., None]
+        out = (w[..., None] * part_o).sum(axis=1) / mx.maximum(den, 1e-38)[..., None]
         lse = mx.where(den > 0, big[:, 0] + mx.log(den), NEG_INF)
-        return out, lse
-    has_extra = extra is not None
-    eo, el = extra if has_extra else (mx.zeros((1,), mx.float32), mx.zeros((1,), mx.float32))
+        out = mx.hadamard_transform(out) if rotate else out
+        return out.astype(dtype), lse
+    fused_rotation = rotate and _is_pow2(d)
     out, lse = launch(
         "split_merge",
-        {"part_o": part_o, "part_lse": part_lse, "extra_o": eo, "extra_lse": el,
-         "params": int_params(nsplit)},
-        {"out": ((bh, nq, d), mx.float32), "lse": ((bh, nq), mx.float32)},
-        grid=(d, nq, bh), threadgroup=(min(d, 128), 1, 1),
-        template={"D": d, "NQ": nq, "HAS_EXTRA": int(has_extra)},
+        {"part_o": part_o, "part_lse": part_lse, "params": int_params(nsplit)},
+        {"out": ((bh, nq, d), dtype), "lse": ((bh, nq), mx.float32)},
+        grid=(d, nq, bh), threadgroup=(d, 1, 1),
+        template={"D": d, "NQ": nq, "ROTATE": int(fused_rotation), "ODT": DTYPE_IDS[dtype]},
     )
+    if rotate and not fused_rotation:
+        out = mx.hadamard_transform(out)
     return out, lse
 
 
 # -- kvarn ----------------------------------------------------------------------------------
-def kvarn_partials(qg: mx.array, kbody: dict[str, mx.array], vbody: dict[str, mx.array], k_bits: int,
-                   v_bits: int, per_split: int | None = None, emulate: bool = False) -> tuple[mx.array, mx.array]:
-    """Per-split partial attention of grouped queries qg (BH, NQ, D) over kvarn body records."""
+def _fp16_parts(cache: Any) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
+    """The sink's and the recent tokens' K, V (B, H, n, D) float16 (recent may be None)."""
+    return cache.sink[0], cache.sink[1], cache.recent[0], cache.recent[1]
+
+
+def kvarn_partials(qg: mx.array, scale: float, cache: Any, length: int, causal: bool, per_split: int | None = None,
+                   emulate: bool = False) -> tuple[mx.array, mx.array]:
+    """Per-split partial attention of grouped rotated queries qg (BH, NQ, D) over a whole kvarn cache.
+
+    Splits: the body records in runs of `per_split`, then the fp16 sink, then each 128-token tile of
+    the recent (live + tail) tokens. Returns part_o (BH, NSPLIT, NQ, D) and part_lse (BH, NSPLIT, NQ).
+    """
     bh, nq, d = qg.shape
+    kbody, vbody = cache.body
     r, s = kbody["codes"].shape[2:4]
-    qb, nchunk = _chunks(nq)
+    qb, nchunk = _chunks(nq, max(1, QB_MAX // s))
     per = per_split or split_size(r, bh * nchunk)
-    nsplit = -(-r // per)
+    body_splits = -(-r // per)
+    sk, sv, rk, rv = _fp16_parts(cache)
+    ns = sk.shape[2]
+    nr = 0 if rk is None else rk.shape[2]
     if emulate:
-        return _kvarn_emulated(qg, kbody, vbody, k_bits, v_bits, per)
+        return _kvarn_emulated(qg * scale, cache, length, causal, per)
+    nsplit = body_splits + 1 + -(-nr // 128)
+    if nr == 0:  # no recent tokens: a placeholder input the kernel never reads
+        rk = rv = mx.zeros((1,), mx.float16)
     inputs = {"q": qg, "kc": kbody["codes"], "ks": kbody["scale_axis"], "kz": kbody["zp_axis"],
               "ko": kbody["other_axis"], "vc": vbody["codes"], "vs": vbody["scale_axis"], "vz": vbody["zp_axis"],
-              "vo": vbody["other_axis"], "params": int_params(r, per)}
+              "vo": vbody["other_axis"], "sk": sk, "sv": sv, "rk": rk, "rv": rv,
+              "params": int_params(r, per, body_splits, ns, nr, int(causal)), "fparams": float_params(scale)}
     return tuple(launch(
         "kvarn_decode", inputs,
         {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32)},
         grid=(128, nsplit, bh * nchunk), threadgroup=(128, 1, 1),
-        template={"KB": k_bits, "VB": v_bits, "S": s, "QB": qb, "NQ": nq, "NCHUNK": nchunk},
+        template={"KB": cache.k_bits, "VB": cache.v_bits, "S": s, "QB": qb, "NQ": nq, "NCHUNK": nchunk,
+                  "L": length, "QDT": DTYPE_IDS[qg.dtype]},
     ))
 
 
@@ -106,60 +136,83 @@ def _flat(field: mx.array) -> mx.array:
     return field.reshape(-1, *field.shape[2:])
 
 
-def _kvarn_emulated(qg: mx.array, kbody: dict[str, mx.array], vbody: dict[str, mx.array], k_bits: int,
-                    v_bits: int, per: int) -> tuple[mx.array, mx.array]:
-    """The kvarn_decode threadgroup algorithm in MLX: factored dequantization, online softmax per record."""
+def _softmax_part(score: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """Normalized output and log-sum-exp of scores (BH, NQ, T) over values (BH, T, D); -inf scores are hidden."""
+    m = score.max(axis=-1)
+    p = mx.where(score == NEG_INF, 0.0, mx.exp(score - mx.where(m == NEG_INF, 0.0, m)[..., None]))
+    den = p.sum(axis=-1)
+    out = (p @ values) / mx.maximum(den, 1e-38)[..., None]
+    return out, mx.where(den > 0, m + mx.log(den), NEG_INF)
+
+
+def _kvarn_emulated(qg: mx.array, cache: Any, length: int, causal: bool, per: int) -> tuple[mx.array, mx.array]:
+    """The kvarn_decode algorithm in MLX: per record, the factored scores and values of the record algebra
+    (qs = q * k_scale, qz = q * k_zero, ps = p * v_scale, pz = p * v_zero), an online softmax per split;
+    then the fp16 sink and the recent tiles as splits of their own."""
     bh, nq, d = qg.shape
-    kc, ks, kz, ko = (_flat(kbody[f]).astype(mx.float32) if f != "codes" else _flat(kbody[f])
-                      for f in ("codes", "scale_axis", "zp_axis", "other_axis"))
-    vc, vs, vz, vo = (_flat(vbody[f]).astype(mx.float32) if f != "codes" else _flat(vbody[f])
-                      for f in ("codes", "scale_axis", "zp_axis", "other_axis"))
+    kbody, vbody = cache.body
+    kc, ks, kz, ko = (_flat(kbody[f]) for f in ("codes", "scale_axis", "zp_axis", "other_axis"))
+    vc, vs, vz, vo = (_flat(vbody[f]) for f in ("codes", "scale_axis", "zp_axis", "other_axis"))
+    ks, kz, ko, vs, vz, vo = (x.astype(mx.float32) for x in (ks, kz, ko, vs, vz, vo))
     r, s = kc.shape[1:3]
-    qs = qg.reshape(bh, nq, s, 128)
+    qsl = qg.astype(mx.float32).reshape(bh, nq, s, 128)
     outs, lses = [], []
     for r0 in range(0, r, per):
         m = mx.full((bh, nq), NEG_INF)
         den = mx.zeros((bh, nq))
         acc = mx.zeros((bh, nq, s, 128))
         for rec in range(r0, min(r, r0 + per)):
-            kq = unpack_rows(kc[:, rec], k_bits).astype(mx.float32)  # (BH, S, 128 ch, 128 tok)
-            kval = kq * ks[:, rec, :, :, None] + kz[:, rec, :, :, None]  # code * scale[c] + zero[c]
-            dot = mx.einsum("bjsc,bsct->bjst", qs, kval)
+            kq = unpack_rows(kc[:, rec], cache.k_bits).astype(mx.float32)  # (BH, S, 128 ch r, 128 tok c)
+            qs = qsl * ks[:, rec][:, None]  # q[r] * k_scale[r]
+            qz = (qsl * kz[:, rec][:, None]).sum(axis=-1)  # sum_r q[r] * k_zero[r], per slice
+            dot = mx.einsum("bjsr,bsrc->bjsc", qs, kq) + qz[..., None]
             score = (ko[:, rec][:, None] * dot).sum(axis=2)  # (BH, NQ, 128 tokens)
             m_new = mx.maximum(m, score.max(axis=-1))
             alpha = mx.where(m == NEG_INF, 0.0, mx.exp(m - m_new))
             p = mx.exp(score - m_new[..., None])
             den = den * alpha + p.sum(axis=-1)
-            acc = acc * alpha[..., None, None]
-            vq = unpack_rows(vc[:, rec], v_bits).astype(mx.float32)  # (BH, S, 128 tok, 128 ch)
-            vval = vq * vs[:, rec, :, :, None] + vz[:, rec, :, :, None]
-            acc = acc + vo[:, rec][:, None] * mx.einsum("bjt,bstc->bjsc", p, vval)
+            vq = unpack_rows(vc[:, rec], cache.v_bits).astype(mx.float32)  # (BH, S, 128 tok t, 128 ch c)
+            ps = p[:, :, None, :] * vs[:, rec][:, None]  # p[t] * v_scale[t], per slice
+            pz = (p[:, :, None, :] * vz[:, rec][:, None]).sum(axis=-1)
+            vdot = mx.einsum("bjst,bstc->bjsc", ps, vq) + pz[..., None]
+            acc = acc * alpha[..., None, None] + vo[:, rec][:, None] * vdot
             m = m_new
         outs.append((acc / den[..., None, None]).reshape(bh, nq, d))
         lses.append(m + mx.log(den))
+    sk, sv, rk, rv = (None if x is None else _flat(x).astype(mx.float32) for x in _fp16_parts(cache))
+    q32 = qg.astype(mx.float32)
+    tiles = [(sk, sv, None)] + ([] if rk is None or rk.shape[1] == 0 else
+                                [(rk[:, t0:t0 + 128], rv[:, t0:t0 + 128], t0) for t0 in range(0, rk.shape[1], 128)])
+    nr = 0 if rk is None else rk.shape[1]
+    qtok = mx.arange(nq) % length
+    for k, v, t0 in tiles:
+        score = q32 @ k.swapaxes(-1, -2)
+        if causal and t0 is not None:
+            hidden = (t0 + mx.arange(k.shape[1]))[None, :] > (nr - length + qtok)[:, None]
+            score = mx.where(hidden[None], NEG_INF, score)
+        o, lse = _softmax_part(score, v)
+        outs.append(o)
+        lses.append(lse)
     return mx.stack(outs, axis=1), mx.stack(lses, axis=1)
 
 
 def kvarn_attend(cache: Any, queries: mx.array, scale: float, mask: Any, emulate: bool = False) -> mx.array:
-    """Decode attention of a KVarNCache: fused body kernel + fp16 sink/recent part, merged by log-sum-exp."""
+    """Decode attention of a KVarNCache in three launches: rotate q, one split-K kernel over records, sink
+    and recent tokens, and one merge kernel that also rotates the output back."""
     q = mx.hadamard_transform(queries)
     b, hq, length, d = q.shape
     hkv = cache.sink[0].shape[1]
-    qs = q.astype(mx.float32) * scale
-    # fp16 part: sink + live + tail (the queries are the newest tokens, so a causal mask aligns at the end)
-    parts = [[p for p in (cache.sink[i], cache.recent[i]) if p is not None] for i in range(2)]
-    keys, values = (mx.concatenate(p, axis=2) if len(p) > 1 else p[0] for p in parts)
-    o16, lse16 = grouped_attention(qs, keys, values.astype(mx.float32), 1.0, mask)  # float32 scores and weights
-    extra = (group_queries(o16, hkv), lse16.reshape(b * hkv, -1))
-    part_o, part_lse = kvarn_partials(group_queries(qs, hkv), cache.body[0], cache.body[1], cache.k_bits,
-                                      cache.v_bits, emulate=emulate)
-    out, _ = merge_splits(part_o, part_lse, extra, emulate=emulate)
-    return mx.hadamard_transform(ungroup(out, b, hq, length).astype(queries.dtype))
+    causal = isinstance(mask, str) and length > 1
+    part_o, part_lse = kvarn_partials(group_queries(q, hkv), scale, cache, length, causal, emulate=emulate)
+    out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, emulate=emulate)
+    return ungroup(out, b, hq, length)
 
 
 def kvarn_supported(cache: Any, queries: mx.array, mask: Any) -> bool:
     """Whether the fused path applies: sealed records, 1..4 query tokens, no array mask, queries after the body."""
     if cache.body[0] is None or cache.body[1] is None or not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS:
+        return False
+    if queries.dtype not in DTYPE_IDS:
         return False
     if mask is None:
         return True
@@ -169,31 +222,34 @@ def kvarn_supported(cache: Any, queries: mx.array, mask: Any) -> bool:
 
 
 # -- affine ---------------------------------------------------------------------------------
-def affine_partials(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, bits: int,
-                    group_size: int, length: int, causal: bool, per_split: int | None = None,
+def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: list[mx.array], tokens: int,
+                    bits: int, group_size: int, length: int, causal: bool, per_split: int | None = None,
                     emulate: bool = False) -> tuple[mx.array, mx.array]:
     """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...)."""
     bh, nq, d = qg.shape
     cap = kparts[0].shape[2]
-    qb, nchunk = _chunks(nq)
+    qb, nchunk = _chunks(nq, QB_MAX)
     tiles = -(-tokens // 128)
     per = 128 * (per_split or split_size(tiles, bh * nchunk))
     nsplit = -(-tokens // per)
     if emulate:
-        return _affine_emulated(qg, kparts, vparts, tokens, bits, group_size, length, causal, per)
+        return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, bits, group_size, length,
+                                causal, per)
     inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
-              "vbi": vparts[2], "params": int_params(tokens, cap, per, int(causal))}
+              "vbi": vparts[2], "params": int_params(tokens, cap, per, int(causal)), "fparams": float_params(scale)}
     return tuple(launch(
         "affine_decode", inputs,
         {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32)},
         grid=(128, nsplit, bh * nchunk), threadgroup=(128, 1, 1),
-        template={"BITS": bits, "GS": group_size, "D": d, "QB": qb, "NQ": nq, "NCHUNK": nchunk, "L": length},
+        template={"BITS": bits, "GS": group_size, "D": d, "QB": qb, "NQ": nq, "NCHUNK": nchunk, "L": length,
+                  "QDT": DTYPE_IDS[qg.dtype]},
     ))
 
 
 def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, bits: int,
                      gs: int, length: int, causal: bool, per: int) -> tuple[mx.array, mx.array]:
-    """The affine_decode threadgroup algorithm in MLX: per 128-token tile, scale * (q . codes) + bias * sum(q)."""
+    """The affine_decode threadgroup algorithm in MLX: per 128-token tile, scale * (q . codes) + bias * sum(q);
+    values as (p * scale) . codes + sum(p * bias) per group."""
     bh, nq, d = qg.shape
     ng = d // gs
     kw, ksc, kbi = (_flat(p)[:, :tokens] for p in kparts)
@@ -207,7 +263,7 @@ def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array
     for t_begin in range(0, tokens, per):
         m = mx.full((bh, nq), NEG_INF)
         den = mx.zeros((bh, nq))
-        acc = mx.zeros((bh, nq, d))
+        acc = mx.zeros((bh, nq, ng, gs))
         for t0 in range(t_begin, min(tokens, t_begin + per), 128):
             t1 = min(tokens, t_begin + per, t0 + 128)
             kq = kcode[:, t0:t1].reshape(bh, t1 - t0, ng, gs)
@@ -222,10 +278,11 @@ def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array
             p = mx.where(score == NEG_INF, 0.0, mx.exp(score - m_new[..., None]))
             den = den * alpha + p.sum(axis=-1)
             vq = vcode[:, t0:t1].reshape(bh, t1 - t0, ng, gs)
-            vval = vq * vsc[:, t0:t1, :, None].astype(mx.float32) + vbi[:, t0:t1, :, None].astype(mx.float32)
-            acc = acc * alpha[..., None] + mx.einsum("bjt,btd->bjd", p, vval.reshape(bh, t1 - t0, d))
+            ps = p[..., None] * vsc[:, None, t0:t1].astype(mx.float32)  # (BH, NQ, T, G): p * scale
+            pb = (p[..., None] * vbi[:, None, t0:t1].astype(mx.float32)).sum(axis=2)  # sum_t p * bias, per group
+            acc = acc * alpha[..., None, None] + mx.einsum("bjtg,btge->bjge", ps, vq) + pb[..., None]
             m = m_new
-        outs.append(acc / den[..., None])
+        outs.append((acc / den[..., None, None]).reshape(bh, nq, d))
         lses.append(m + mx.log(den))
     return mx.stack(outs, axis=1), mx.stack(lses, axis=1)
 
@@ -238,22 +295,25 @@ def _unpack_affine(words: mx.array, bits: int, d: int) -> mx.array:
 
 
 def affine_attend(cache: Any, queries: mx.array, scale: float, mask: Any, emulate: bool = False) -> mx.array:
-    """Decode attention of a quantized AffineCache with the fused split-K kernel (no dequantized copy)."""
+    """Decode attention of a quantized AffineCache: one split-K kernel over the codes, one merge kernel
+    (which also rotates the output back for a rotated cache); no dequantized copy."""
     q = mx.hadamard_transform(queries) if cache.rotate else queries
     b, hq, length, d = q.shape
     kparts, vparts = ([buf.data for buf in bufs] for bufs in cache.packed)
     hkv = kparts[0].shape[1]
-    qg = group_queries(q.astype(mx.float32) * scale, hkv)
     causal = isinstance(mask, str) and length > 1
-    part_o, part_lse = affine_partials(qg, kparts, vparts, cache.offset, cache.k_bits, cache.group_size, length,
-                                       causal, emulate=emulate)
-    out, _ = merge_splits(part_o, part_lse, emulate=emulate)
-    out = ungroup(out, b, hq, length).astype(queries.dtype)
-    return mx.hadamard_transform(out) if cache.rotate else out
+    part_o, part_lse = affine_partials(group_queries(q, hkv), scale, kparts, vparts, cache.offset, cache.k_bits,
+                                       cache.group_size, length, causal, emulate=emulate)
+    out, _ = merge_splits(part_o, part_lse, rotate=cache.rotate, dtype=queries.dtype, emulate=emulate)
+    return ungroup(out, b, hq, length)
 
 
 def affine_supported(cache: Any, queries: mx.array, mask: Any) -> bool:
-    """Whether the fused affine path applies: quantized, 1..4 query tokens, mask None or 'causal'."""
-    if not cache.quantized or not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS:
+    """Whether the fused affine path applies: quantized, 1..4 query tokens, mask None or 'causal', and a head
+    dim whose 8-channel groups tile the 128 threads (32, 64, ..., 1024)."""
+    if not cache.quantized or not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS or queries.dtype not in DTYPE_IDS:
+        return False
+    d = queries.shape[-1]
+    if d % 32 or d > 1024 or 128 % (d // 8):
         return False
     return mask is None or (isinstance(mask, str) and mask == "causal")

@@ -10,8 +10,14 @@
 #define HALF half
 #define TO_FLOAT(x) float(x)
 #define TO_HALF(x) half(x)
+#define AS_FLOAT(u) as_type<float>(u)            // reinterpret the 32 bits of a u32 as a float
 #define NEG_INF (-INFINITY)
 typedef uint u32;
+typedef ulong u64;
+
+// Any float type (float, half, bfloat) to and from float32: queries and outputs keep the model's dtype.
+template <typename T> FN float load_f(T x) { return float(x); }
+template <typename T> FN void store_f(device T* p, float x) { *p = T(x); }
 
 // SIMD-group (32 lanes on Apple GPUs) reductions are built in.
 FN float simd_sum_f(float x) { return simd_sum(x); }

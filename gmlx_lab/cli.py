@@ -1,0 +1,293 @@
+"""The `gmlx-lab` command: compare, fidelity, policy, memory and lab.
+
+    gmlx-lab policy llama                      # the [kv] line and per-layer decisions of a specimen
+    gmlx-lab fidelity --schemes affine4,kvarn4:tail=128 --prefill 1400 --decode 128
+    gmlx-lab compare --schemes fp16,affine2,kvarn6
+    gmlx-lab memory --context 4096
+    gmlx-lab lab                               # JupyterLab on the notebooks/ folder
+
+`--model` picks the model: the bundled teaching-llama by default, "smollm2-135m",
+a specimen family (llama, gpt_oss, ...: random weights, no tokenizer) or a folder.
+Errors print one line, `gmlx-lab: error: ...`, and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+EVAL_TEXT = PACKAGE_DIR / "data" / "eval_text.txt"
+FIDELITY_SCHEMES = "fp16,affine4,affine8,kvarn4:tail=128,kvarn4,kvarn6"
+COMPARE_SCHEMES = "fp16,affine2,affine4,kvarn4:tail=128,kvarn6:tail=128"
+MEMORY_SCHEMES = "fp16,affine4,affine8,kvarn4,kvarn6,kvarn6:tail=128"
+
+
+def load_model(name: str | None) -> tuple[nn.Module, Any]:
+    """(model, tokenizer): the bundled model (None), a specimen family (tokenizer None) or what `load` opens."""
+    from .models import FAMILIES, load, specimen
+
+    if name in FAMILIES:
+        return specimen(name), None
+    return load(name)
+
+
+def encode(tokenizer: Any, model: nn.Module, text: str) -> list[int]:
+    """Token ids of `text`; specimens have no tokenizer, so their ids are the text's UTF-8 bytes."""
+    if tokenizer is not None:
+        return list(tokenizer.encode(text))
+    vocab = getattr(getattr(model, "args", None), "vocab_size", 256)
+    return [b % vocab for b in text.encode()]
+
+
+def _read_text(path: str | None) -> str:
+    file = Path(path) if path else EVAL_TEXT
+    if not file.is_file():
+        raise FileNotFoundError(f"text file {file} not found")
+    return file.read_text(encoding="utf-8")
+
+
+def _specs(text: str) -> list[str]:
+    """Split a scheme list "fp16,affine4,kvarn6:tail=128" (commas inside options stay with their scheme)."""
+    from .fidelity import parse_scheme_spec
+    from .registry import SCHEMES
+
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if specs and not any(part.startswith(s) for s in SCHEMES):
+            specs[-1] += "," + part  # an option of the previous scheme, e.g. "kvarn:k8v4,tail=128"
+        else:
+            specs.append(part)
+    if not specs:
+        raise ValueError("--schemes is empty")
+    for spec in specs:
+        parse_scheme_spec(spec)
+    return specs
+
+
+# -- subcommands ------------------------------------------------------------------------------------
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    from .fidelity import parse_scheme_spec
+    from .policy import policy
+
+    specs = _specs(args.schemes)
+    model, _ = load_model(args.model_name)
+    reports = []
+    for spec in specs:
+        scheme, options = parse_scheme_spec(spec)
+        chosen = policy(model, scheme, **options)
+        reports.append(chosen.as_dict())
+        if args.json:
+            continue
+        print(chosen)
+        print("| layer | kind | cache | kv heads | head dim | decision | reason |")
+        print("|---|---|---|---|---|---|---|")
+        for d in chosen.layers:
+            dims = d.k_head_dim if d.k_head_dim == d.v_head_dim else f"{d.k_head_dim}/{d.v_head_dim}"
+            print(f"| {d.index} | {d.kind} | {d.cache_class} | {d.kv_heads if d.kv_heads is not None else '-'} "
+                  f"| {dims if d.k_head_dim is not None else '-'} | {d.decision} | {d.reason} |")
+        print()
+    if args.json:
+        print(json.dumps(reports, indent=2))
+    return 0
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from .fidelity import fidelity, layer_sensitivity, sweep_specs
+
+    specs = sweep_specs(args.sweep) if args.sweep and args.sweep != "layers" else _specs(args.schemes)
+    text = _read_text(args.text_file)
+    model, tokenizer = load_model(args.model)
+    tokens = encode(tokenizer, model, text)
+    common = {"prefill": args.prefill, "decode": args.decode, "prefill_step": args.prefill_step,
+              "progress": not args.quiet}
+    t0 = time.perf_counter()
+    if args.sweep == "layers":
+        result = layer_sensitivity(model, tokenizer, tokens, specs[0], **common)
+    else:
+        result = fidelity(model, tokenizer, tokens, specs, **common)
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({**result.to_dict(per_position=False), "seconds": round(seconds, 1)}, indent=2))
+    else:
+        print(result.to_markdown())
+        print(f"({seconds:.1f} s)")
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from .memory import memory_report
+
+    specs = _specs(args.schemes)
+    model, _ = load_model(args.model)
+    report = memory_report(model, specs, context=args.context)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    print(report.to_markdown())
+    if args.layers:
+        for s in report.schemes:
+            print(f"\n{s.label}\n{report.layers_markdown(s.label)}")
+    return 0
+
+
+def _greedy(model: nn.Module, prompt: list[int], cache: Any, max_tokens: int) -> tuple[list[int], float, float]:
+    """Greedy tokens through mlx-lm's own generate_step; returns (tokens, prefill seconds, decode tokens/s)."""
+    generate_step = importlib.import_module("mlx_lm.generate").generate_step
+    out, t0, first = [], time.perf_counter(), 0.0
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache):
+        out.append(int(token))
+        if len(out) == 1:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    rate = (len(out) - 1) / (end - first) if len(out) > 1 and end > first else 0.0
+    return out, first - t0, rate
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .fidelity import audit, parse_scheme_spec
+    from .policy import policy
+
+    specs = _specs(args.schemes)
+    model, tokenizer = load_model(args.model)
+    if args.prompt is not None:
+        prompt = encode(tokenizer, model, args.prompt)
+    else:
+        prompt = encode(tokenizer, model, _read_text(args.prompt_file))[: args.prompt_tokens]
+    if not prompt:
+        raise ValueError("the prompt is empty")
+
+    def show(ids: list[int]) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+
+    reference: list[int] | None = None
+    rows = []
+    for spec in specs:
+        scheme, options = parse_scheme_spec(spec)
+        chosen = policy(model, scheme, **options)
+        cache = chosen.make_cache()
+        tokens, prefill_s, rate = _greedy(model, prompt, cache, args.max_tokens)
+        report = audit(cache)
+        reference = tokens if reference is None else reference
+        diverge = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+        text = show(tokens) if diverge is None else show(tokens[:diverge]) + " ⟨≠⟩" + show(tokens[diverge:])
+        where = "same as first" if diverge is None else f"diverges at token {diverge}"
+        rows.append((chosen.label, report.resident, report.fp16_bytes, rate))
+        print(f"== {chosen.label}: {report.resident / 1024:.0f} KiB cache "
+              f"({100 * report.resident / max(report.fp16_bytes, 1):.1f}% of fp16), prefill {prefill_s:.2f} s, "
+              f"{rate:.1f} tok/s, {where}")
+        print(text.replace("\n", "\n   "))
+        print()
+    print(f"prompt {len(prompt)} tokens, {args.max_tokens} greedy tokens per scheme; "
+          f"⟨≠⟩ marks the first token that differs from {rows[0][0]}")
+    return 0
+
+
+def find_notebooks() -> Path:
+    """The notebooks/ folder: in the current directory, or next to the package (a source checkout)."""
+    for folder in (Path.cwd() / "notebooks", PACKAGE_DIR.parent / "notebooks"):
+        if folder.is_dir():
+            return folder
+    raise FileNotFoundError("no notebooks/ folder here or next to the gmlx_lab package; "
+                            "run `gmlx-lab lab` from the gmlx_lab repository")
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    folder = find_notebooks()
+    if importlib.util.find_spec("jupyterlab") is None:
+        raise RuntimeError("jupyterlab is not installed; install it with: pip install 'gmlx-lab[lab]'")
+    return subprocess.call([sys.executable, "-m", "jupyterlab", str(folder), *args.jupyter_args])
+
+
+# -- parser -----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `gmlx-lab` and its subcommands."""
+    parser = argparse.ArgumentParser(prog="gmlx-lab", description="Learn, see and measure KV-cache quantization.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", default=None,
+                       help="teaching-llama (default), smollm2-135m, a specimen family or a model folder")
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    p = sub.add_parser("compare", parents=[model], help="greedy generation under several schemes, side by side")
+    p.add_argument("--schemes", default=COMPARE_SCHEMES, help=f"comma-separated specs (default {COMPARE_SCHEMES})")
+    p.add_argument("--prompt", default=None, help="prompt text (default: the start of --prompt-file)")
+    p.add_argument("--prompt-file", default=None, help="default: the bundled evaluation text")
+    p.add_argument("--prompt-tokens", type=int, default=1500, help="tokens of --prompt-file used (default 1500)")
+    p.add_argument("--max-tokens", type=int, default=40)
+    p.set_defaults(run=cmd_compare)
+
+    p = sub.add_parser("fidelity", parents=[model, quiet], help="teacher-forced KL against the fp16 cache")
+    p.add_argument("--schemes", default=FIDELITY_SCHEMES, help=f"comma-separated specs (default {FIDELITY_SCHEMES})")
+    p.add_argument("--sweep", default=None, choices=["widths", "tails", "split", "ladder", "layers"],
+                   help="a named sweep instead of --schemes (layers: the first --schemes entry, one layer at a time)")
+    p.add_argument("--prefill", type=int, default=1900, help="prefill tokens (default 1900)")
+    p.add_argument("--decode", type=int, default=128, help="tokens decoded one at a time (default 128)")
+    p.add_argument("--prefill-step", type=int, default=2048, help="prefill chunk size (default 2048)")
+    p.add_argument("--text-file", default=None, help="default: the bundled evaluation text")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(run=cmd_fidelity)
+
+    p = sub.add_parser("policy", help="the [kv] line and per-layer decisions for a model")
+    p.add_argument("model_name", metavar="MODEL", nargs="?", default=None,
+                   help="teaching-llama (default), a specimen family (llama, gpt_oss, ...), smollm2-135m or a folder")
+    p.add_argument("--schemes", default="kvarn,affine", help="comma-separated specs (default kvarn,affine)")
+    p.add_argument("--json", action="store_true", help="print the kv_quant dicts as JSON")
+    p.set_defaults(run=cmd_policy)
+
+    p = sub.add_parser("memory", parents=[model], help="resident cache bytes per scheme, layer and region")
+    p.add_argument("--context", type=int, default=4096, help="tokens in the cache (default 4096)")
+    p.add_argument("--schemes", default=MEMORY_SCHEMES, help=f"comma-separated specs (default {MEMORY_SCHEMES})")
+    p.add_argument("--layers", action="store_true", help="also print a per-layer table per scheme")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_memory)
+
+    p = sub.add_parser("lab", help="start JupyterLab on the notebooks/ folder")
+    p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab")
+    p.set_defaults(run=cmd_lab)
+    return parser
+
+
+def _fail(exc: BaseException, code: int) -> int:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"gmlx-lab: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `gmlx-lab`; returns the exit code (2: bad input, 1: failure)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # output piped into `head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except ValueError as exc:
+        return _fail(exc, 2)
+    except (RuntimeError, AssertionError, OSError) as exc:  # ModelNotAvailableError is a RuntimeError
+        return _fail(exc, 1)
+    except KeyboardInterrupt:
+        print("gmlx-lab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

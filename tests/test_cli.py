@@ -1,0 +1,82 @@
+"""The gmlx-lab command line: policy, fidelity --json, memory, errors as one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gmlx_lab import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_policy_llama(capsys):
+    assert cli.main(["policy", "llama"]) == 0
+    out = capsys.readouterr().out
+    assert "[kv] llama-specimen: kvarn6 tail=1024 -> quantized 3/4 attn layers" in out
+    assert "| 3 | attention | KVCache | 2 | 128 | fp16 | last of deep stack |" in out
+    assert "affine8 g64" in out
+
+
+def test_policy_gpt_oss(capsys):
+    assert cli.main(["policy", "gpt_oss", "--schemes", "kvarn"]) == 0
+    out = capsys.readouterr().out
+    assert "no layer can use kvarn" in out and "-> running fp16" in out
+    assert "head_dim 64: kvarn needs 128/256/512" in out and "sliding window" in out
+
+
+def test_fidelity_json(capsys):
+    argv = ["fidelity", "--model", "llama", "--prefill", "200", "--decode", "6", "--schemes",
+            "fp16,affine4,kvarn:k8v4,tail=0", "--json", "--quiet"]
+    assert cli.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [s["label"] for s in data["schemes"]] == ["fp16", "affine4 g64", "kvarn k8v4 tail=0"]
+    assert data["schemes"][0]["decode_median_kl"] == 0.0
+    assert data["schemes"][2]["audit"]["ok"]
+
+
+def test_memory_json(capsys):
+    assert cli.main(["memory", "--model", "llama", "--context", "512", "--schemes", "fp16,kvarn6:tail=0",
+                     "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["schemes"][1]["by_region"]["body"]["bytes"] > 0
+
+
+def test_bad_scheme_is_one_line_without_traceback():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "gmlx_lab.cli", "fidelity", "--schemes", "affine4,kvarn7"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "gmlx-lab: error: kvarn: bits=7 is not supported; accepted: 2, 3, 4, 5, 6, 8"]
+    assert proc.stdout == ""
+
+
+def test_unknown_model(capsys):
+    assert cli.main(["policy", "no-such-model"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gmlx-lab: error: unknown model 'no-such-model'") and len(err.splitlines()) == 1
+
+
+def test_lab_without_jupyterlab(monkeypatch, capsys, tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    assert cli.main(["lab"]) == 1
+    assert "jupyterlab is not installed" in capsys.readouterr().err
+
+
+def test_lab_finds_notebooks(monkeypatch, tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert cli.find_notebooks() == tmp_path / "notebooks"
+
+
+@pytest.mark.parametrize("argv", [["fidelity", "--prefill", "x"], ["nonsense"]])
+def test_argparse_errors_exit_2(argv):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
