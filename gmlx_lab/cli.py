@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -146,21 +145,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _greedy(model: nn.Module, prompt: list[int], cache: Any, max_tokens: int) -> tuple[list[int], float, float]:
-    """Greedy tokens through mlx-lm's own generate_step; returns (tokens, prefill seconds, decode tokens/s)."""
-    generate_step = importlib.import_module("mlx_lm.generate").generate_step
-    out, t0, first = [], time.perf_counter(), 0.0
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache):
-        out.append(int(token))
-        if len(out) == 1:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    rate = (len(out) - 1) / (end - first) if len(out) > 1 and end > first else 0.0
-    return out, first - t0, rate
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     from .fidelity import audit, parse_scheme_spec
+    from .kv_inspect import first_divergence, greedy
     from .policy import policy
 
     specs = _specs(args.schemes)
@@ -181,10 +168,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         scheme, options = parse_scheme_spec(spec)
         chosen = policy(model, scheme, **options)
         cache = chosen.make_cache()
-        tokens, prefill_s, rate = _greedy(model, prompt, cache, args.max_tokens)
+        tokens, prefill_s, rate = greedy(model, prompt, cache, args.max_tokens)
         report = audit(cache)
         reference = tokens if reference is None else reference
-        diverge = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+        diverge = first_divergence(tokens, reference)
         text = show(tokens) if diverge is None else show(tokens[:diverge]) + " ⟨≠⟩" + show(tokens[diverge:])
         where = "same as first" if diverge is None else f"diverges at token {diverge}"
         rows.append((chosen.label, report.resident, report.fp16_bytes, rate))

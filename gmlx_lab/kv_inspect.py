@@ -3,7 +3,6 @@
     cap = capture(model, ids)               # run ids through fp16 caches, keep K/V (+ attention)
     cap.k(layer=3, head=0)                  # (tokens, head_dim) post-RoPE keys, float32 numpy
     cap.sink_mass()                         # (layers, query heads) attention share on the first 128 tokens
-    kl = teacher_forced_kl(model, ids, "kvarn", bits=4, kv_tail_tokens=0)
     gen = generate(model, tokenizer, "Once upon a time", "affine", bits=4)
 
 Everything runs through `gmlx_lab.make_cache`, so it sees exactly what the caches
@@ -27,13 +26,13 @@ import numpy as np
 
 from .cache.attention import grouped_output, grouped_scores
 from .cache.fp16 import FP16Cache
-from .policy import PromptCache, make_cache, model_name
+from .policy import make_cache, model_name
 
 EVAL_TEXT = Path(__file__).resolve().parent / "data" / "eval_text.txt"
 
 __all__ = [
     "Capture", "Generation", "capture", "eval_tokens", "first_divergence", "generate",
-    "logits_with", "teacher_forced_kl", "kvarn_region_tokens",
+    "greedy", "kvarn_region_tokens",
 ]
 
 
@@ -121,34 +120,6 @@ def capture(model: Any, tokens: list[int] | mx.array, attention: bool = False) -
     return Capture(model_name(model), [int(t) for t in ids[0].tolist()], keys, values, probs)
 
 
-def logits_with(model: Any, tokens: list[int] | mx.array, scheme: str = "fp16", chunk: int | None = None,
-                **options: Any) -> tuple[np.ndarray, PromptCache]:
-    """Teacher-forced log-probabilities (tokens, vocab) under a scheme's cache, fed in chunks of `chunk`."""
-    ids = mx.array(tokens).reshape(1, -1)
-    cache = make_cache(model, scheme, quiet=True, **options)
-    step = chunk or ids.shape[1]
-    outs = []
-    for s in range(0, ids.shape[1], step):
-        logits = model(ids[:, s : s + step], cache=cache).astype(mx.float32)
-        outs.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        mx.eval(outs[-1])
-    return np.array(mx.concatenate(outs, axis=1)[0]), cache
-
-
-def kl_between(ref_logprobs: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
-    """KL(ref || other) in nats at each position, from two (tokens, vocab) log-probability arrays."""
-    return np.maximum((np.exp(ref_logprobs) * (ref_logprobs - logprobs)).sum(-1), 0.0)
-
-
-def teacher_forced_kl(model: Any, tokens: list[int], scheme: str, ref: np.ndarray | None = None,
-                      chunk: int | None = None, **options: Any) -> np.ndarray:
-    """Per-position KL (nats) of the next-token distribution under `scheme` against an fp16 cache."""
-    if ref is None:
-        ref, _ = logits_with(model, tokens, "fp16", chunk=chunk)
-    got, _ = logits_with(model, tokens, scheme, chunk=chunk, **options)
-    return kl_between(ref, got)
-
-
 @dataclass
 class Generation:
     """A greedy generation under one scheme, with its speed and final cache size."""
@@ -157,12 +128,9 @@ class Generation:
     prompt_tokens: int
     tokens: list[int]
     pieces: list[str]
-    seconds: float
+    prefill_seconds: float
+    tokens_per_s: float  # decode speed, after the first token
     cache_bytes: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
 
     @property
     def text(self) -> str:
@@ -173,27 +141,33 @@ class Generation:
                 f"{self.tokens_per_s:.1f} tok/s, cache {self.cache_bytes / 1024:.1f} KiB</small>")
 
 
+def greedy(model: Any, prompt: list[int], cache: Any, max_tokens: int,
+           eos: set[int] | frozenset[int] = frozenset()) -> tuple[list[int], float, float]:
+    """Greedy tokens through mlx-lm's own `generate_step`: (tokens, prefill seconds, decode tokens/s)."""
+    from mlx_lm.generate import generate_step
+
+    out: list[int] = []
+    start = first = time.perf_counter()
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache):
+        out.append(int(token))
+        if len(out) == 1:
+            first = time.perf_counter()
+        if out[-1] in eos:
+            break
+    end = time.perf_counter()
+    rate = (len(out) - 1) / (end - first) if len(out) > 1 and end > first else float("nan")
+    return out, first - start, rate
+
+
 def generate(model: Any, tokenizer: Any, prompt: str | list[int], scheme: str = "fp16", max_tokens: int = 24,
              **options: Any) -> Generation:
-    """Greedy decoding of `max_tokens` after `prompt` with the scheme's cache (prefill, then one token a step)."""
-    from .registry import get_scheme
-
+    """Greedy decoding of `max_tokens` after `prompt` with the scheme's cache."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     cache = make_cache(model, scheme, quiet=True, **options)
-    label = get_scheme(scheme).label(get_scheme(scheme).resolve(**options))
-    start = time.perf_counter()
-    logits = model(mx.array(ids)[None], cache=cache)
-    out: list[int] = []
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    for _ in range(max_tokens):
-        nxt = int(mx.argmax(logits[0, -1]).item())
-        out.append(nxt)
-        if nxt in eos:
-            break
-        logits = model(mx.array([[nxt]]), cache=cache)
-    seconds = time.perf_counter() - start
+    out, prefill_s, rate = greedy(model, ids, cache, max_tokens, eos)
     pieces = [tokenizer.decode([t]) for t in out]
-    return Generation(label, len(ids), out, pieces, seconds, cache.nbytes)
+    return Generation(cache.policy.label, len(ids), out, pieces, prefill_s, rate, cache.nbytes)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from .. import kv_inspect
+from ..fidelity import fidelity
 from ..models import BUNDLED_NAME, available_models, load
 from ..viz import figures
 
@@ -185,11 +186,8 @@ class CompareApp:
             self.model, self.tokenizer, ids, "fp16", self.max_tokens))
         gen = ref if self.scheme.value == "fp16" else self._cached(key, lambda: kv_inspect.generate(
             self.model, self.tokenizer, ids, self.scheme.value, self.max_tokens, **opts))
-        full = ids + ref.tokens
-        ref_lp = self._cached(("ref_lp", tuple(full)), lambda: kv_inspect.logits_with(self.model, full)[0])
         kl = np.zeros(len(ref.tokens)) if self.scheme.value == "fp16" else self._cached(
-            ("kl", key), lambda: kv_inspect.teacher_forced_kl(self.model, full, self.scheme.value, ref=ref_lp,
-                                                              **opts)[len(ids) - 1 : len(full) - 1])
+            ("kl", key), lambda: self._decode_kl(ids, ref.tokens, opts))
         div = kv_inspect.first_divergence(ref.tokens, gen.tokens)
         where = "identical" if div is None else f"first divergence at generated token {div}"
         self.texts.value = (
@@ -208,6 +206,13 @@ class CompareApp:
                 ("tokens/s", f"{ref.tokens_per_s:.1f}", f"{gen.tokens_per_s:.1f}")]
         self.stats.value = "<table>" + "".join(
             "<tr>" + "".join(cell.format(html.escape(c)) for c in r) + "</tr>" for r in rows) + "</table>"
+
+    def _decode_kl(self, ids: list[int], generated: list[int], opts: dict[str, Any]) -> np.ndarray:
+        """KL(fp16 || scheme) at each generated position, teacher-forced along the fp16 tokens, decoded one by one."""
+        res = fidelity(self.model, self.tokenizer, ids + generated, [(self.scheme.value, opts)], prefill=len(ids),
+                       decode=len(generated) - 1)
+        one = res.schemes[0]
+        return np.array([one.prefill_kl[-1], *one.decode_kl])
 
     def widget(self) -> W.Widget:
         return W.VBox([self.prompt, self.scheme, W.HBox([self.k_bits, self.v_bits]), self.tail, self.run,
