@@ -100,22 +100,13 @@ class AffineCache(GmlxCache):
             return tuple(self._dequantize([b.view(end) for b in bufs], dtype) for bufs in self.packed)
         return self.fp16[0].view(end), self.fp16[1].view(end)
 
-    # "auto": fused GPU kernel on a GPU backend, `mx.quantized_matmul` reference on the CPU; "reference"
-    # forces the reference; "fused" demands the kernel; "emulated" runs the kernel's algorithm in pure MLX.
-    attention_path = "auto"
-
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention straight from the codes: fused split-K kernel on a GPU, else two `mx.quantized_matmul`."""
-        from ..kernels import active_backend, affine_attend, affine_supported
+        from ..kernels import affine_attend, affine_supported
 
-        path = self.attention_path
-        if path not in ("auto", "reference", "fused", "emulated"):
-            raise ValueError(f"{self.where()}: attention_path={path!r}; accepted: auto, reference, fused, emulated")
-        if path != "reference" and affine_supported(self, queries, mask):
-            if path == "emulated":
-                return affine_attend(self, queries, scale, mask, emulate=True)
-            if path == "fused" or active_backend() != "cpu":
-                return affine_attend(self, queries, scale, mask)
+        route = self.kernel_route(affine_supported(self, queries, mask))
+        if route is not None:
+            return affine_attend(self, queries, scale, mask, emulate=route == "emulated")
         if not self.quantized:
             q = mx.hadamard_transform(queries) if self.rotate else queries
             k, v = self._stored(self.offset, q.dtype)

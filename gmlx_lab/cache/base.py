@@ -48,6 +48,24 @@ class GmlxCache(_BaseCache):
                 f"matching first three axes; got {tuple(keys.shape)} and {tuple(values.shape)}"
             )
 
+    # "auto": fused GPU kernels on a GPU backend, the pure-MLX reference on the CPU; "reference" forces the
+    # reference; "fused" demands the kernels (an error on the CPU); "emulated" runs their algorithm in pure MLX.
+    attention_path = "auto"
+    ATTENTION_PATHS = ("auto", "reference", "fused", "emulated")
+
+    def kernel_route(self, supported: bool) -> str | None:
+        """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path."""
+        from ..kernels import active_backend
+
+        path = self.attention_path
+        if path not in self.ATTENTION_PATHS:
+            raise ValueError(f"{self.where()}: attention_path={path!r}; accepted: {', '.join(self.ATTENTION_PATHS)}")
+        if path == "reference" or not supported:
+            return None
+        if path == "emulated":
+            return "emulated"
+        return "fused" if path == "fused" or active_backend() != "cpu" else None
+
     def size(self) -> int:
         return self.offset
 

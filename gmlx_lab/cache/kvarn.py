@@ -180,22 +180,13 @@ class KVarNCache(GmlxCache):
             out.append(mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0])
         return out[0], out[1]
 
-    # "auto": fused GPU kernels on a GPU backend, reference on the CPU; "reference" forces the reference;
-    # "fused" demands the kernels (error on the CPU); "emulated" runs the kernels' algorithm in pure MLX.
-    attention_path = "auto"
-
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """Rotate q, one softmax over every region, rotate the output back (fused kernels or reference)."""
-        from ..kernels import active_backend, kvarn_attend, kvarn_supported
+        from ..kernels import kvarn_attend, kvarn_supported
 
-        path = self.attention_path
-        if path not in ("auto", "reference", "fused", "emulated"):
-            raise ValueError(f"{self.where()}: attention_path={path!r}; accepted: auto, reference, fused, emulated")
-        if path != "reference" and kvarn_supported(self, queries, mask):
-            if path == "emulated":
-                return kvarn_attend(self, queries, scale, mask, emulate=True)
-            if path == "fused" or active_backend() != "cpu":
-                return kvarn_attend(self, queries, scale, mask)
+        route = self.kernel_route(kvarn_supported(self, queries, mask))
+        if route is not None:
+            return kvarn_attend(self, queries, scale, mask, emulate=route == "emulated")
         q = mx.hadamard_transform(queries)
         k, v = self.rotated_kv(q.dtype)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
