@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)
-	$(BLAS_ENV) $(VENV)/bin/jupyter lab notebooks/
+	$(BLAS_ENV) $(VENV)/bin/gmlx-lab lab
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks

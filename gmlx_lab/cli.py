@@ -198,7 +198,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
     folder = find_notebooks()
     if importlib.util.find_spec("jupyterlab") is None:
         raise RuntimeError("jupyterlab is not installed; install it with: pip install 'gmlx-lab[lab]'")
-    return subprocess.call([sys.executable, "-m", "jupyterlab", str(folder), *args.jupyter_args])
+    extra = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # containers, CI boxes
+    return subprocess.call([sys.executable, "-m", "jupyterlab", str(folder), *extra, *args.jupyter_args])
 
 
 # -- parser -----------------------------------------------------------------------------------------
