@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,7 +67,8 @@ def _specs(text: str) -> list[str]:
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        if specs and not any(part.startswith(s) for s in SCHEMES):
+        option = "=" in part or re.fullmatch(r"k\d+v\d+", part)
+        if specs and option and not any(part.startswith(name) for name in SCHEMES):
             specs[-1] += "," + part  # an option of the previous scheme, e.g. "kvarn:k8v4,tail=128"
         else:
             specs.append(part)
