@@ -3,8 +3,14 @@
 # OpenBLAS (MLX's CPU wheel ships a slow reference BLAS; preloading OpenBLAS makes
 # float32 matmuls several times faster). Installs only what is missing; needs root or sudo.
 set -euo pipefail
+if [ "$(uname -s)" != Linux ]; then
+  # macOS: MLX uses Metal and Accelerate; the browser test finds a Chromium-family browser through
+  # GMLX_CHROMIUM (e.g. "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome").
+  [ -n "${GMLX_CHROMIUM:-}" ] || echo "system_deps: set GMLX_CHROMIUM to a Chromium or Chrome binary for the browser test"
+  exit 0
+fi
 need=()
-command -v chromium >/dev/null 2>&1 || need+=(chromium)
+[ -x "${GMLX_CHROMIUM:-/usr/bin/chromium}" ] || need+=(chromium)
 [ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] || [ "$(uname -m)" != x86_64 ] || need+=(libopenblas0-pthread)
 [ ${#need[@]} -eq 0 ] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then
