@@ -176,7 +176,7 @@ class PromptCache(list):
         return sum(c.nbytes for c in self)
 
     def regions(self) -> list[dict[str, int]]:
-        """Per-layer resident bytes by region (our caches) or in one "fp16" entry (the model's own)."""
+        """Per-layer resident bytes by region (our caches), or one "native" entry for the model's own caches."""
         return [c.regions() if isinstance(c, GmlxCache) else {"native": c.nbytes} for c in self]
 
 
