@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 # MLX's Linux CPU wheel bundles a reference BLAS; Debian's OpenBLAS, when present, is much faster.
-BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
+# Checked when the recipe runs (tools/system_deps.sh may have just installed it).
+BLAS_ENV = LD_PRELOAD="$$([ -e $(OPENBLAS) ] && echo $(OPENBLAS))"
 export HF_HUB_OFFLINE := 1
 
 .PHONY: lab test lint clean

@@ -207,6 +207,18 @@ def cmd_lab(args: argparse.Namespace) -> int:
 # -- parser -----------------------------------------------------------------------------------------
 
 
+def cmd_schemes(args: argparse.Namespace) -> int:
+    """The scheme registry as a table: every scheme, option, default and accepted value."""
+    from .registry import SCHEMES
+
+    print("| scheme | option | default | accepted | meaning |\n|---|---|---|---|---|")
+    for scheme in SCHEMES.values():
+        print(f"| **{scheme.name}** | | | | {scheme.summary} |")
+        for opt in scheme.options:
+            print(f"| | {opt.name} | {opt.default} | {opt.accepted()} | {opt.help} |")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `gmlx-lab` and its subcommands."""
     parser = argparse.ArgumentParser(prog="gmlx-lab", description="Learn, see and measure KV-cache quantization.")
@@ -249,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", action="store_true", help="also print a per-layer table per scheme")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_memory)
+
+    p = sub.add_parser("schemes", help="the scheme registry: options, defaults, accepted values")
+    p.set_defaults(run=cmd_schemes)
 
     p = sub.add_parser("lab", help="start JupyterLab on the notebooks/ folder")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab")

@@ -87,3 +87,14 @@ def test_scheme_list_keeps_options_with_their_scheme_and_rejects_unknown(capsys)
     assert cli.main(["compare", "--schemes", "fp16,bogus", "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gmlx-lab: error: unknown scheme in 'bogus'") and "\n" not in err
+
+
+def test_schemes_lists_the_registry(capsys):
+    from gmlx_lab.registry import SCHEMES
+
+    assert cli.main(["schemes"]) == 0
+    out = capsys.readouterr().out
+    for scheme in SCHEMES.values():
+        assert f"**{scheme.name}**" in out
+        for opt in scheme.options:
+            assert f"| {opt.name} | {opt.default} | {opt.accepted()} |" in out
