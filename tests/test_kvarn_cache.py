@@ -80,7 +80,9 @@ def test_attention_over_cache_equals_attention_over_decoded_kv(dim, q_len):
     scale = dim**-0.5
     ours = cache.attend(q, scale=scale, mask=mask)
     ref = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=mask)
-    assert float(mx.abs(ours - ref).max()) < 1e-4
+    # float32 on the CPU; on a GPU the fused kernel and the reference's matmuls differ at ~1e-3 (H200 log)
+    tol = 1e-4 if mx.default_device() == mx.cpu else 2e-3
+    assert float(mx.abs(ours - ref).max()) < tol * max(1.0, float(mx.abs(ref).max()))
 
 
 def test_nbytes_is_exact_and_records_are_2048b_plus_768():
@@ -131,8 +133,10 @@ def test_kvarn_errors_name_the_layer():
         cache.update_and_fetch(k, v)
     k, v = random_kv(300)
     k[0, 1, 150, 5] = float("inf")
+    bad = KVarNCache(6, 6, kv_tail_tokens=0, layer=3)
     with pytest.raises(ValueError, match="layer 3: non-finite keys"):
-        KVarNCache(6, 6, kv_tail_tokens=0, layer=3).update_and_fetch(k, v)
+        bad.update_and_fetch(k, v)
+        bad.check_finite()  # on a GPU the seal's flag is read at the next check, not at once
     with pytest.raises(ValueError, match="accepted: 2, 3, 4, 5, 6, 8"):
         KVarNCache(7, 6)
     with pytest.raises(ValueError, match="kv_tail_tokens"):

@@ -122,9 +122,13 @@ class AffineCache(GmlxCache):
         """Scores and output with two `mx.quantized_matmul` calls; K/V are never decoded."""
         b, hq, length, d = q.shape
         hkv = qk[0].shape[1]
-        q = (q * scale).reshape(b, hkv, hq // hkv, length, d)
-        # scales in the query's dtype, so the CPU computes in float32; broadcast over the GQA group
-        qk, qv = ([mx.expand_dims(x if x.dtype == mx.uint32 else x.astype(q.dtype), 2) for x in parts]
+        out_dtype = q.dtype
+        # The CPU computes in the query's dtype (float32 there); MLX's CUDA quantized_matmul has no float32
+        # kernel, so on a GPU the matmuls run in the stored scales' float16, as mlx-lm's own path does.
+        dtype = q.dtype if mx.default_device() == mx.cpu else STORE_DTYPE
+        q = (q * scale).astype(dtype).reshape(b, hkv, hq // hkv, length, d)
+        # broadcast the codes and scales over the GQA group
+        qk, qv = ([mx.expand_dims(x if x.dtype == mx.uint32 else x.astype(dtype), 2) for x in parts]
                   for parts in (qk, qv))
         opts = {"group_size": self.group_size, "bits": self.k_bits}
         scores = mx.quantized_matmul(q, *qk, transpose=True, **opts)
@@ -132,7 +136,7 @@ class AffineCache(GmlxCache):
             mask = mx.expand_dims(mask, 2)
         probs = mx.softmax(apply_mask(scores, mask), axis=-1, precise=True)
         out = mx.quantized_matmul(probs, *qv, transpose=False, **opts)
-        return out.reshape(b, hq, length, -1)
+        return out.reshape(b, hq, length, -1).astype(out_dtype)
 
     def trim(self, n: int) -> int:
         n = self.check_trim(n, self.offset, "")
