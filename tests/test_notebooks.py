@@ -3,6 +3,7 @@
 Running them is nbval's job: `pytest --nbval-lax notebooks/` (see docs/notebooks.md).
 """
 
+import json
 from pathlib import Path
 
 import nbformat
@@ -17,6 +18,8 @@ def test_there_are_nine_numbered_notebooks() -> None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_clean(path: Path) -> None:
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    assert all("id" in cell for cell in raw["cells"]), f"{path.name}: a cell has no id (nbformat 4.5)"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert "widgets" not in nb.metadata, "widget state saved in the notebook metadata"
