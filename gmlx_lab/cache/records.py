@@ -64,13 +64,15 @@ def imbalance(x: mx.array) -> mx.array:
     return ratio(col) + ratio(row)
 
 
-def normalize(tiles: mx.array, iters: int = 16) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+def normalize(tiles: mx.array, iters: int = 16, history: list[mx.array] | None = None,
+              ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """Find row and column scales that balance the stds of tiles (..., 128, 128).
 
     Each round divides by the column stds, then by the row stds (in log space,
     clamped, clipped); the round with the lowest imbalance wins, ties going to
     the later round, and the unscaled tile is a candidate too. Returns s_row,
-    s_col, and the imbalance before and after.
+    s_col, and the imbalance before and after; `history`, if given, receives every
+    round's imbalance (round 0 first) for the notebooks.
     """
     t = tiles.astype(mx.float32)
     log_row = mx.zeros(t.shape[:-1], mx.float32)
@@ -78,12 +80,16 @@ def normalize(tiles: mx.array, iters: int = 16) -> tuple[mx.array, mx.array, mx.
     scaled = lambda: t / (mx.exp(log_row)[..., :, None] * mx.exp(log_col)[..., None, :])  # noqa: E731
     start = imbalance(t)
     best, best_row, best_col = start, log_row, log_col
+    if history is not None:
+        history.append(start)
     for _ in range(iters):
         col_std, _ = _stds(scaled())
         log_col = mx.clip(log_col + mx.log(mx.clip(col_std, *STD_CLAMP)), *LOG_SCALE_CLIP)
         _, row_std = _stds(scaled())
         log_row = mx.clip(log_row + mx.log(mx.clip(row_std, *STD_CLAMP)), *LOG_SCALE_CLIP)
         score = imbalance(scaled())
+        if history is not None:
+            history.append(score)
         better = score <= best
         best = mx.where(better, score, best)
         best_row = mx.where(better[..., None], log_row, best_row)

@@ -97,28 +97,9 @@ def quant_error(x: np.ndarray, method: str, bits: int, group_size: int = 64, kin
 
 
 def normalize_history(tile: np.ndarray, iters: int = 16) -> tuple[list[float], int]:
-    """Imbalance of a (rows, cols) tile after each normalization round (round 0: unscaled) and the round kept.
-
-    A copy of `records.normalize`'s loop for one tile that also keeps every
-    round's score; it calls the record module's own `imbalance` and std
-    helpers and constants, so the two cannot drift apart silently
-    (`tests/test_viz.py` checks the kept scales against `records.normalize`).
-    """
-    t = mx.array(np.asarray(tile, np.float32))
-    log_row = mx.zeros(t.shape[:-1], mx.float32)
-    log_col = mx.zeros(t.shape[-1:], mx.float32)
-
-    def scaled() -> mx.array:
-        return t / (mx.exp(log_row)[:, None] * mx.exp(log_col)[None, :])
-
-    history = [float(records.imbalance(t).item())]
-    best = 0
-    for r in range(1, iters + 1):
-        col_std, _ = records._stds(scaled())
-        log_col = mx.clip(log_col + mx.log(mx.clip(col_std, *records.STD_CLAMP)), *records.LOG_SCALE_CLIP)
-        _, row_std = records._stds(scaled())
-        log_row = mx.clip(log_row + mx.log(mx.clip(row_std, *records.STD_CLAMP)), *records.LOG_SCALE_CLIP)
-        history.append(float(records.imbalance(scaled()).item()))
-        if history[-1] <= history[best]:
-            best = r
+    """Imbalance of a (rows, cols) tile after each normalization round (round 0: unscaled) and the round kept."""
+    rounds: list[mx.array] = []
+    records.normalize(mx.array(np.asarray(tile, np.float32)), iters, history=rounds)
+    history = [float(r.item()) for r in rounds]
+    best = max(i for i, h in enumerate(history) if h <= min(history))  # ties go to the later round
     return history, best
