@@ -137,3 +137,14 @@ def test_compare_app_updates_on_scheme_change() -> None:
     assert len(kl) == 4 and np.all(kl >= 0) and kl.max() > 0  # decode KL of affine4 vs fp16 along the text
     app.scheme.value = "fp16"
     assert max(app.kl_fig.data[0].y) == 0
+
+
+def test_smollm2_has_attention_sinks_where_the_teaching_model_has_none() -> None:
+    """Backs notebook 04: a real pretrained model parks attention on token 0; the bundled one does not."""
+    smol, smol_tok = gmlx_lab.load("smollm2-135m")
+    cap = kv_inspect.capture(smol, kv_inspect.eval_tokens(smol_tok, 256), attention=True)
+    on_first = cap.sink_mass(sink=1, after=128).mean(axis=1)  # per layer, mean over query heads
+    assert on_first[12:].mean() > 0.2 and on_first[12:].min() > 0.1  # even spread: about 1/256
+    model, tok = gmlx_lab.load()
+    bundled = kv_inspect.capture(model, kv_inspect.eval_tokens(tok, 256), attention=True)
+    assert bundled.sink_mass(sink=1, after=128).mean(axis=1).max() < 0.05
