@@ -25,7 +25,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if _not_run:
         terminalreporter.write_line(
             f"NOT RUN: {len(_not_run)} GPU kernel tests need an MLX GPU backend (CUDA or Metal) and this machine "
-            "runs MLX on the CPU; their H200 log is benchmarks/results/kernel-tests-h200.log"
+            "runs MLX on the CPU; their H200 logs are in benchmarks/results/gpu-tests-h200/"
         )
 
 

@@ -130,8 +130,8 @@ def test_kvarn_emulated_matches_reference(case: tuple[int, ...]) -> None:
 def test_kvarn_split_merge_is_one_softmax(per_split: int) -> None:
     c = _kvarn_cache(128, 2, 6, 6, 128 + 7 * 128 + 50, 0, seed=per_split)
     qg = group_queries(mx.random.normal((1, 4, 1, 128)), 2)
-    one_o, one_l = merge_splits(*kvarn_partials(qg, 0.3, c, 1, False, per_split=10**6, emulate=True), emulate=True)
-    o, lse = merge_splits(*kvarn_partials(qg, 0.3, c, 1, False, per_split=per_split, emulate=True), emulate=True)
+    one_o, one_l = merge_splits(*kvarn_partials(qg, 0.3, c, 1, False, per_warp=10**6, emulate=True), emulate=True)
+    o, lse = merge_splits(*kvarn_partials(qg, 0.3, c, 1, False, per_warp=per_split, emulate=True), emulate=True)
     assert _rel(o, one_o) < EMU_TOL and mx.allclose(lse, one_l, atol=EMU_TOL).item()
 
 
@@ -163,7 +163,8 @@ def test_kvarn_fused_matches_reference(case: tuple[int, ...]) -> None:
     c = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=d * kb)
     q = mx.random.normal((1, hq, lq, d))
     out, ref = _attend_both(c, q, "causal" if lq > 1 else None, "fused")
-    assert _rel(out, ref) < 2e-3  # reference decodes in float32 on the GPU too; tolerance covers fp16 I/O
+    # the tensor cores take float16 operands (q * k_scale, p * v_scale): up to 2.3e-3 in the H200 log
+    assert _rel(out, ref) < 5e-3
 
 
 @gpu
@@ -173,8 +174,8 @@ def test_kvarn_kernel_equals_emulation(case: tuple[int, ...]) -> None:
     c = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=7)
     qg = group_queries(mx.hadamard_transform(mx.random.normal((1, hq, lq, d))), hkv)
     for per in (1, 2, 5):
-        ko, kl = kvarn_partials(qg, d**-0.5, c, lq, lq > 1, per_split=per)
-        eo, el = kvarn_partials(qg, d**-0.5, c, lq, lq > 1, per_split=per, emulate=True)
+        ko, kl = kvarn_partials(qg, d**-0.5, c, lq, lq > 1, per_warp=per)
+        eo, el = kvarn_partials(qg, d**-0.5, c, lq, lq > 1, per_warp=per, emulate=True)
         assert ko.shape == eo.shape and kl.shape == el.shape
         assert _rel(ko, eo) < EMU_TOL and mx.allclose(kl, el, rtol=EMU_TOL, atol=EMU_TOL).item()
         for rotate in (False, True):

@@ -107,15 +107,25 @@ class AffineCache(GmlxCache):
         route = self.kernel_route(affine_supported(self, queries, mask))
         if route is not None:
             return affine_attend(self, queries, scale, mask, emulate=route == "emulated")
-        if not self.quantized:
-            q = mx.hadamard_transform(queries) if self.rotate else queries
+        q = mx.hadamard_transform(queries) if self.rotate else queries
+        if not self.quantized or self._cuda_long_block(queries):
+            # fp16 rows; or, on CUDA, a query block (prefill) that MLX's CUDA quantized_matmul has no kernel
+            # for (mlx 0.32.4 raises "No implementation for problem shape"): attend over the decoded codes,
+            # the very values quantized_matmul would use.
             k, v = self._stored(self.offset, q.dtype)
             out = mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
         else:
-            q = mx.hadamard_transform(queries) if self.rotate else queries
             qk, qv = ([b.view(self.offset) for b in bufs] for bufs in self.packed)
             out = self._quantized_attention(q, qk, qv, scale, mask)
         return mx.hadamard_transform(out) if self.rotate else out
+
+    @staticmethod
+    def _cuda_long_block(queries: mx.array) -> bool:
+        """True for more than 4 query tokens on MLX's CUDA backend, whose quantized_matmul serves only
+        matrix-vector shapes there (mlx 0.32.4 on an H200)."""
+        from ..kernels import active_backend
+
+        return queries.shape[2] > 4 and active_backend() == "cuda"
 
     def _quantized_attention(self, q: mx.array, qk: list[mx.array], qv: list[mx.array], scale: float,
                              mask: Any) -> mx.array:

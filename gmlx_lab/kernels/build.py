@@ -54,10 +54,12 @@ def read(name: str) -> str:
 
 
 def assemble(name: str, backend: str) -> tuple[str, str]:
-    """(header, source) of kernel `name` for `backend`: prelude + common helpers, index lines + body."""
+    """(header, source) of kernel `name` for `backend`: prelude + common helpers (+ `<name>.h`), index lines + body."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not supported; accepted: {', '.join(BACKENDS)}")
     header = read(f"prelude_{backend}.h") + "\n" + read("common.h")
+    if (HERE / f"{name}.h").exists():  # the kernel's own helper functions
+        header += "\n" + read(f"{name}.h")
     return header, INDICES[backend] + read(f"{name}.body")
 
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..cache.records import unpack_rows
 from .build import launch
 
-QB_MAX = 4  # query vectors (GQA group x query tokens) per threadgroup; kvarn keeps QB * slices <= 4
+QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
 MAX_QUERY_TOKENS = 4
 NEG_INF = float("-inf")
@@ -92,42 +92,58 @@ def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dty
 
 
 # -- kvarn ----------------------------------------------------------------------------------
+KVARN_WARPS = 4  # warps per kvarn_decode threadgroup; each walks its own run of units
+KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16 tensor-core products
+# One wave of warps on an H200: 132 multiprocessors x 3 threadgroups of 4 warps (the kernel's 168 registers
+# per thread allow 3); more would leave a second, mostly idle wave.
+TARGET_WARPS = 132 * 12
+
+
 def _fp16_parts(cache: Any) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
     """The sink's and the recent tokens' K, V (B, H, n, D) float16 (recent may be None)."""
     return cache.sink[0], cache.sink[1], cache.recent[0], cache.recent[1]
 
 
-def kvarn_partials(qg: mx.array, scale: float, cache: Any, length: int, causal: bool, per_split: int | None = None,
-                   emulate: bool = False) -> tuple[mx.array, mx.array]:
-    """Per-split partial attention of grouped rotated queries qg (BH, NQ, D) over a whole kvarn cache.
+def kvarn_units(records: int, recent: int) -> int:
+    """Units of kvarn decode work: the body records, the fp16 sink, one per 128 recent tokens."""
+    return records + 1 + -(-recent // 128)
 
-    Splits: the body records in runs of `per_split`, then the fp16 sink, then each 128-token tile of
-    the recent (live + tail) tokens. Returns part_o (BH, NSPLIT, NQ, D) and part_lse (BH, NSPLIT, NQ).
+
+def kvarn_partials(qg: mx.array, scale: float, cache: Any, length: int, causal: bool, per_warp: int | None = None,
+                   emulate: bool = False) -> tuple[mx.array, mx.array]:
+    """Per-split partial attention of grouped queries qg (BH, NQ, D) over a whole kvarn cache, which holds
+    rotated K/V: the queries are rotated first (inside the kernel when D is a power of two).
+
+    Units run in the order records, sink, recent tiles; each warp takes `per_warp` of them and a split
+    is one threadgroup's KVARN_WARPS runs. Returns part_o (BH, NSPLIT, NQ, D), part_lse (BH, NSPLIT, NQ).
     """
     bh, nq, d = qg.shape
     kbody, vbody = cache.body
     r, s = kbody["codes"].shape[2:4]
-    qb, nchunk = _chunks(nq, max(1, QB_MAX // s))
-    per = per_split or split_size(r, bh * nchunk)
-    body_splits = -(-r // per)
+    nchunk = -(-nq // KVARN_QN)
     sk, sv, rk, rv = _fp16_parts(cache)
     ns = sk.shape[2]
     nr = 0 if rk is None else rk.shape[2]
+    units = kvarn_units(r, nr)
+    per = per_warp or -(-units // -(-TARGET_WARPS // (bh * nchunk)))
+    nsplit = -(-units // (per * KVARN_WARPS))
     if emulate:
-        return _kvarn_emulated(qg * scale, cache, length, causal, per)
-    nsplit = body_splits + 1 + -(-nr // 128)
+        return _kvarn_emulated(mx.hadamard_transform(qg) * scale, cache, length, causal, per * KVARN_WARPS)
+    rotate_here = _is_pow2(d)
+    if not rotate_here:
+        qg = mx.hadamard_transform(qg)
     if nr == 0:  # no recent tokens: a placeholder input the kernel never reads
         rk = rv = mx.zeros((1,), mx.float16)
     inputs = {"q": qg, "kc": kbody["codes"], "ks": kbody["scale_axis"], "kz": kbody["zp_axis"],
               "ko": kbody["other_axis"], "vc": vbody["codes"], "vs": vbody["scale_axis"], "vz": vbody["zp_axis"],
               "vo": vbody["other_axis"], "sk": sk, "sv": sv, "rk": rk, "rv": rv,
-              "params": int_params(r, per, body_splits, ns, nr, int(causal)), "fparams": float_params(scale)}
+              "params": int_params(r, per, ns, nr, int(causal), nsplit), "fparams": float_params(scale)}
     return tuple(launch(
         "kvarn_decode", inputs,
         {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32)},
-        grid=(128, nsplit, bh * nchunk), threadgroup=(128, 1, 1),
-        template={"KB": cache.k_bits, "VB": cache.v_bits, "S": s, "QB": qb, "NQ": nq, "NCHUNK": nchunk,
-                  "L": length, "QDT": DTYPE_IDS[qg.dtype]},
+        grid=(32 * KVARN_WARPS, nsplit, bh * nchunk), threadgroup=(32 * KVARN_WARPS, 1, 1),
+        template={"KB": cache.k_bits, "VB": cache.v_bits, "S": s, "NQ": nq, "NCHUNK": nchunk, "L": length,
+                  "WARPS": KVARN_WARPS, "ROTATE": int(rotate_here), "QDT": DTYPE_IDS[qg.dtype]},
     ))
 
 
@@ -136,19 +152,10 @@ def _flat(field: mx.array) -> mx.array:
     return field.reshape(-1, *field.shape[2:])
 
 
-def _softmax_part(score: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-    """Normalized output and log-sum-exp of scores (BH, NQ, T) over values (BH, T, D); -inf scores are hidden."""
-    m = score.max(axis=-1)
-    p = mx.where(score == NEG_INF, 0.0, mx.exp(score - mx.where(m == NEG_INF, 0.0, m)[..., None]))
-    den = p.sum(axis=-1)
-    out = (p @ values) / mx.maximum(den, 1e-38)[..., None]
-    return out, mx.where(den > 0, m + mx.log(den), NEG_INF)
-
-
-def _kvarn_emulated(qg: mx.array, cache: Any, length: int, causal: bool, per: int) -> tuple[mx.array, mx.array]:
-    """The kvarn_decode algorithm in MLX: per record, the factored scores and values of the record algebra
-    (qs = q * k_scale, qz = q * k_zero, ps = p * v_scale, pz = p * v_zero), an online softmax per split;
-    then the fp16 sink and the recent tiles as splits of their own."""
+def _kvarn_emulated(qg: mx.array, cache: Any, length: int, causal: bool, run: int) -> tuple[mx.array, mx.array]:
+    """The kvarn_decode algorithm in MLX (float32): units in kernel order (records, sink, recent tiles), an
+    online softmax over each split's `run` units. A record's scores and values use the factored algebra
+    (qs = q * k_scale, qz = q * k_zero, ps = p * v_scale, pz = p * v_zero) on its codes."""
     bh, nq, d = qg.shape
     kbody, vbody = cache.body
     kc, ks, kz, ko = (_flat(kbody[f]) for f in ("codes", "scale_axis", "zp_axis", "other_axis"))
@@ -156,50 +163,57 @@ def _kvarn_emulated(qg: mx.array, cache: Any, length: int, causal: bool, per: in
     ks, kz, ko, vs, vz, vo = (x.astype(mx.float32) for x in (ks, kz, ko, vs, vz, vo))
     r, s = kc.shape[1:3]
     qsl = qg.astype(mx.float32).reshape(bh, nq, s, 128)
-    outs, lses = [], []
-    for r0 in range(0, r, per):
-        m = mx.full((bh, nq), NEG_INF)
-        den = mx.zeros((bh, nq))
-        acc = mx.zeros((bh, nq, s, 128))
-        for rec in range(r0, min(r, r0 + per)):
-            kq = unpack_rows(kc[:, rec], cache.k_bits).astype(mx.float32)  # (BH, S, 128 ch r, 128 tok c)
-            qs = qsl * ks[:, rec][:, None]  # q[r] * k_scale[r]
-            qz = (qsl * kz[:, rec][:, None]).sum(axis=-1)  # sum_r q[r] * k_zero[r], per slice
-            dot = mx.einsum("bjsr,bsrc->bjsc", qs, kq) + qz[..., None]
-            score = (ko[:, rec][:, None] * dot).sum(axis=2)  # (BH, NQ, 128 tokens)
-            m_new = mx.maximum(m, score.max(axis=-1))
-            alpha = mx.where(m == NEG_INF, 0.0, mx.exp(m - m_new))
-            p = mx.exp(score - m_new[..., None])
-            den = den * alpha + p.sum(axis=-1)
+    q32 = qg.astype(mx.float32)
+    sk, sv, rk, rv = (None if x is None else _flat(x).astype(mx.float32) for x in _fp16_parts(cache))
+    nr = 0 if rk is None else rk.shape[1]
+    qtok = mx.arange(nq) % length
+
+    def record(rec: int) -> tuple[mx.array, Any]:
+        kq = unpack_rows(kc[:, rec], cache.k_bits).astype(mx.float32)  # (BH, S, 128 ch r, 128 tok c)
+        qs = qsl * ks[:, rec][:, None]  # q[r] * k_scale[r]
+        qz = (qsl * kz[:, rec][:, None]).sum(axis=-1)  # sum_r q[r] * k_zero[r], per slice
+        dot = mx.einsum("bjsr,bsrc->bjsc", qs, kq) + qz[..., None]
+        score = (ko[:, rec][:, None] * dot).sum(axis=2)  # (BH, NQ, 128 tokens)
+
+        def values(p: mx.array) -> mx.array:
             vq = unpack_rows(vc[:, rec], cache.v_bits).astype(mx.float32)  # (BH, S, 128 tok t, 128 ch c)
             ps = p[:, :, None, :] * vs[:, rec][:, None]  # p[t] * v_scale[t], per slice
             pz = (p[:, :, None, :] * vz[:, rec][:, None]).sum(axis=-1)
             vdot = mx.einsum("bjst,bstc->bjsc", ps, vq) + pz[..., None]
-            acc = acc * alpha[..., None, None] + vo[:, rec][:, None] * vdot
-            m = m_new
-        outs.append((acc / den[..., None, None]).reshape(bh, nq, d))
-        lses.append(m + mx.log(den))
-    sk, sv, rk, rv = (None if x is None else _flat(x).astype(mx.float32) for x in _fp16_parts(cache))
-    q32 = qg.astype(mx.float32)
-    tiles = [(sk, sv, None)] + ([] if rk is None or rk.shape[1] == 0 else
-                                [(rk[:, t0:t0 + 128], rv[:, t0:t0 + 128], t0) for t0 in range(0, rk.shape[1], 128)])
-    nr = 0 if rk is None else rk.shape[1]
-    qtok = mx.arange(nq) % length
-    for k, v, t0 in tiles:
+            return (vo[:, rec][:, None] * vdot).reshape(bh, nq, d)
+        return score, values
+
+    def fp16_tile(k: mx.array, v: mx.array, t0: int | None) -> tuple[mx.array, Any]:
         score = q32 @ k.swapaxes(-1, -2)
         if causal and t0 is not None:
             hidden = (t0 + mx.arange(k.shape[1]))[None, :] > (nr - length + qtok)[:, None]
             score = mx.where(hidden[None], NEG_INF, score)
-        o, lse = _softmax_part(score, v)
-        outs.append(o)
-        lses.append(lse)
+        return score, lambda p: p @ v
+
+    units = [lambda i=i: record(i) for i in range(r)] + [lambda: fp16_tile(sk, sv, None)]
+    units += [lambda t0=t0: fp16_tile(rk[:, t0:t0 + 128], rv[:, t0:t0 + 128], t0) for t0 in range(0, nr, 128)]
+    outs, lses = [], []
+    for first in range(0, len(units), run):
+        m = mx.full((bh, nq), NEG_INF)
+        den = mx.zeros((bh, nq))
+        acc = mx.zeros((bh, nq, d))
+        for unit in units[first:first + run]:
+            score, values = unit()
+            m_new = mx.maximum(m, score.max(axis=-1))
+            alpha = mx.where(m == NEG_INF, 0.0, mx.exp(m - m_new))
+            p = mx.where(score == NEG_INF, 0.0, mx.exp(score - mx.where(m_new == NEG_INF, 0.0, m_new)[..., None]))
+            den = den * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + values(p)
+            m = m_new
+        outs.append(mx.where(den[..., None] > 0, acc / mx.maximum(den, 1e-38)[..., None], 0.0))
+        lses.append(mx.where(den > 0, m + mx.log(den), NEG_INF))
     return mx.stack(outs, axis=1), mx.stack(lses, axis=1)
 
 
 def kvarn_attend(cache: Any, queries: mx.array, scale: float, mask: Any, emulate: bool = False) -> mx.array:
-    """Decode attention of a KVarNCache in three launches: rotate q, one split-K kernel over records, sink
-    and recent tokens, and one merge kernel that also rotates the output back."""
-    q = mx.hadamard_transform(queries)
+    """Decode attention of a KVarNCache in two launches: one split-K kernel that rotates q and attends over
+    records, sink and recent tokens, and one merge kernel that also rotates the output back."""
+    q = queries
     b, hq, length, d = q.shape
     hkv = cache.sink[0].shape[1]
     causal = isinstance(mask, str) and length > 1

@@ -25,3 +25,22 @@ FN void store_f(__half* p, float x) { *p = __float2half_rn(x); }
 FN float simd_sum_f(float x) { for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o); return x; }
 FN float simd_max_f(float x) { for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o)); return x; }
 FN float simd_min_f(float x) { for (int o = 16; o > 0; o >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o)); return x; }
+FN float simd_shuffle_f(float x, u32 lane) { return __shfl_sync(0xffffffffu, x, int(lane)); }
+FN float simd_shuffle_xor_f(float x, u32 mask) { return __shfl_xor_sync(0xffffffffu, x, int(mask)); }
+
+// Pointers and references into a thread's own registers, and into threadgroup memory, need no qualifier here.
+#define THREAD
+#define SHARED_PTR
+#define WARP_BARRIER() __syncwarp()              // the 32 lanes of a warp wait here (shared-memory exchange)
+
+// float16 pairs held in a u32 (the smaller index in the low half), and one float16 from its bits.
+FN u32 pack_half2(float lo, float hi) { const __half2 h = __floats2half2_rn(lo, hi); return *reinterpret_cast<const u32*>(&h); }
+FN float half_bits_to_float(u32 bits) { return __half2float(__ushort_as_half((unsigned short)bits)); }
+
+// C += A B on the tensor cores: A 16x16 and B 16x8 float16, C 16x8 float32, one warp, fragments as in
+// the PTX ISA's mma.m16n8k16 (their layout is written out in kvarn_decode.h). `lane` is for Metal's version.
+FN void mma16816(float* c, const u32* a, const u32* b, u32 lane) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}

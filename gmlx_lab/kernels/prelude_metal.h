@@ -23,3 +23,30 @@ template <typename T> FN void store_f(device T* p, float x) { *p = T(x); }
 FN float simd_sum_f(float x) { return simd_sum(x); }
 FN float simd_max_f(float x) { return simd_max(x); }
 FN float simd_min_f(float x) { return simd_min(x); }
+FN float simd_shuffle_f(float x, u32 lane) { return simd_shuffle(x, ushort(lane)); }
+FN float simd_shuffle_xor_f(float x, u32 mask) { return simd_shuffle_xor(x, ushort(mask)); }
+
+// Metal names the address space of every pointer and reference: a thread's own, and threadgroup memory.
+#define THREAD thread
+#define SHARED_PTR threadgroup
+#define WARP_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
+
+// float16 pairs held in a u32 (the smaller index in the low half), and one float16 from its bits.
+FN u32 pack_half2(float lo, float hi) { return as_type<uint>(half2(lo, hi)); }
+FN float half_bits_to_float(u32 bits) { return float(as_type<half>(ushort(bits))); }
+
+// C += A B with the fragments of CUDA's mma.m16n8k16 (layout in kvarn_decode.h), computed by SIMD
+// shuffles: lane (g, t) gathers rows g, g+8 of A and columns 2t, 2t+1 of B from the lanes holding them.
+FN void mma16816(thread float* c, const thread u32* a, const thread u32* b, u32 lane) {
+  const ushort g = ushort(lane >> 2), t = ushort(lane & 3u);
+  UNROLL for (ushort src = 0; src < 4; ++src) UNROLL for (ushort h = 0; h < 2; ++h) {   // k = 2 src + 8 h, +1
+    const half2 ar = as_type<half2>(simd_shuffle(a[2 * h], ushort(4 * g + src)));        // A[g][k]
+    const half2 ar8 = as_type<half2>(simd_shuffle(a[2 * h + 1], ushort(4 * g + src)));   // A[g + 8][k]
+    const half2 b0 = as_type<half2>(simd_shuffle(b[h], ushort(8 * t + src)));            // B[k][2t]
+    const half2 b1 = as_type<half2>(simd_shuffle(b[h], ushort(8 * t + 4 + src)));        // B[k][2t + 1]
+    c[0] += float(ar.x) * float(b0.x) + float(ar.y) * float(b0.y);
+    c[1] += float(ar.x) * float(b1.x) + float(ar.y) * float(b1.y);
+    c[2] += float(ar8.x) * float(b0.x) + float(ar8.y) * float(b0.y);
+    c[3] += float(ar8.x) * float(b1.x) + float(ar8.y) * float(b1.y);
+  }
+}
