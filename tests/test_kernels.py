@@ -7,6 +7,7 @@ deselects them and the run's summary says so: they did not run there, and nothin
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -44,10 +45,30 @@ def test_sources_assemble_per_backend(name: str) -> None:
     assert not _words(metal_h + metal_s, CUDA_ONLY), _words(metal_h + metal_s, CUDA_ONLY)
     assert not _words(cuda_h + cuda_s, METAL_ONLY), _words(cuda_h + cuda_s, METAL_ONLY)
     assert "GMLX_CUDA" in cuda_h and "GMLX_METAL" in metal_h
-    # every macro the body uses is defined by both preludes
-    macros = r"\b(SHARED|BARRIER|GLOBAL_CONST|GLOBAL|UNROLL|HALF|TO_FLOAT|TO_HALF|NEG_INF)\b"
-    for macro in set(re.findall(macros, body)):
+    # a kernel's own helper header joins both headers and, like the body, speaks only the common dialect
+    helpers = Path(f"gmlx_lab/kernels/{name}.h")
+    own = helpers.read_text() if helpers.exists() else ""
+    assert own in cuda_h and own in metal_h
+    assert not _words(own, CUDA_ONLY) and not _words(own, METAL_ONLY)
+    # every macro the body and its helpers use is defined by both preludes
+    macros = (r"\b(SHARED|SHARED_PTR|THREAD|BARRIER|WARP_BARRIER|GLOBAL_CONST|GLOBAL|UNROLL|HALF|TO_FLOAT|TO_HALF"
+              r"|NEG_INF)\b")
+    for macro in set(re.findall(macros, body + own)):
         assert f"#define {macro}" in cuda_h and f"#define {macro}" in metal_h, macro
+    # and every prelude function they call
+    functions = r"\b(mma16816|pack_half2|half_bits_to_float|simd_shuffle_f|simd_shuffle_xor_f|simd_sum_f|simd_max_f)\("
+    for fn in set(re.findall(functions, body + own)):
+        assert f" {fn}(" in cuda_h and f" {fn}(" in metal_h, fn
+
+
+def test_kvarn_decode_uses_the_tensor_core_fragments() -> None:
+    """CUDA's mma16816 is the PTX instruction; Metal's computes the same fragments by SIMD shuffles."""
+    cuda_h, _ = assemble("kvarn_decode", "cuda")
+    metal_h, _ = assemble("kvarn_decode", "metal")
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in cuda_h
+    assert "mma.sync" not in metal_h and metal_h.count("simd_shuffle(") >= 4
+    body = open("gmlx_lab/kernels/kvarn_decode.body").read()
+    assert body.count("mma16816(") == 4  # scores and values, from codes and from fp16 tokens
 
 
 def test_unknown_backend_is_refused() -> None:
