@@ -23,11 +23,11 @@ lab: $(STAMP)
 	$(BLAS_ENV) $(VENV)/bin/gmlx-lab lab
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks
+	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks notebooks
 
 test: $(STAMP)
 	bash tools/system_deps.sh
-	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks
+	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks notebooks
 	$(BLAS_ENV) $(PY) -m pytest tests notebooks --nbval-lax
 
 clean:
