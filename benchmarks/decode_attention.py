@@ -54,8 +54,12 @@ def nbytes(*arrays: mx.array | None) -> int:
     return sum(a.nbytes for a in arrays if a is not None)
 
 
-def bench_context(tokens: int, iters: int, repeats: int) -> list[dict]:
-    """All implementations at one context length."""
+IMPLS = ("fp16_sdpa", "mlx_lm_affine8", "mlx_lm_affine4", "fused_affine8", "fused_affine4", "fused_kvarn6",
+         "fused_kvarn4")
+
+
+def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS) -> list[dict]:
+    """The chosen implementations (fp16 SDPA always: the ratios need it) at one context length."""
     mx.random.seed(tokens)
     k = mx.random.normal((1, HKV, tokens, D)).astype(mx.float16)
     v = mx.random.normal((1, HKV, tokens, D)).astype(mx.float16)
@@ -65,6 +69,8 @@ def bench_context(tokens: int, iters: int, repeats: int) -> list[dict]:
     rows = []
 
     def add(impl: str, fn: Callable[[], mx.array], read: int, **extra: object) -> None:
+        if impl not in impls and impl != "fp16_sdpa":
+            return
         us, build = timed(fn, iters, repeats)
         rows.append({"impl": impl, "context": tokens, "us": round(us, 2), "build_us": round(build, 2),
                      "cache_bytes": read, "gb_per_s": round(read / us / 1e3, 1), **extra})
@@ -72,14 +78,14 @@ def bench_context(tokens: int, iters: int, repeats: int) -> list[dict]:
               flush=True)
 
     add("fp16_sdpa", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), nbytes(k, v))
-    for bits in (8, 4):
+    for bits in (b for b in (8, 4) if f"mlx_lm_affine{b}" in impls):
         qk = mx.quantize(k, group_size=64, bits=bits)
         qv = mx.quantize(v, group_size=64, bits=bits)
         mx.eval(qk, qv)
         add(f"mlx_lm_affine{bits}", lambda qk=qk, qv=qv, bits=bits: quantized_scaled_dot_product_attention(
             q, qk, qv, scale=scale, mask=None, group_size=64, bits=bits), nbytes(*qk, *qv))
         del qk, qv
-    for bits in (8, 4):
+    for bits in (b for b in (8, 4) if f"fused_affine{b}" in impls):
         c = AffineCache(bits, 64)
         c.update_and_fetch(k, v)
         c.attention_path = "fused"
@@ -87,7 +93,7 @@ def bench_context(tokens: int, iters: int, repeats: int) -> list[dict]:
         read = nbytes(*(b.view(c.offset) for bufs in c.packed for b in bufs))
         add(f"fused_affine{bits}", lambda c=c: c.attend(q, scale, None), read)
         del c
-    for bits in (6, 4):
+    for bits in (b for b in (6, 4) if f"fused_kvarn{b}" in impls):
         c = KVarNCache(bits, bits, kv_tail_tokens=1024)
         c.update_and_fetch(k, v)
         c.attention_path = "fused"
@@ -138,23 +144,27 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="fp16_sdpa always runs")
+    ap.add_argument("--skip-seal", action="store_true", help="do not time sealing")
+    ap.add_argument("--note", default="", help="stored in the JSON (e.g. which kernel version ran)")
     ap.add_argument("--out", default="benchmarks/results/decode_attention-h200.json")
     args = ap.parse_args()
     if active_backend() == "cpu":
         raise SystemExit("decode_attention.py measures the GPU kernels; MLX runs on the CPU here")
-    rows = [r for t in args.contexts for r in bench_context(t, args.iters, args.repeats)]
-    seal = bench_seal(args.iters, args.repeats)
-    kv6_128k = [r["us"] for r in rows if r["impl"] == "fused_kvarn6"][-1]
-    seal["per_token_us"] = round(seal["kernel_us"] / 128, 3)
-    seal["share_of_decode_step_kvarn6_last_context"] = round(seal["kernel_us"] / 128 / kv6_128k, 4)
-    seal["seal_event_over_decode_step"] = round(seal["kernel_us"] / kv6_128k, 3)
+    rows = [r for t in args.contexts for r in bench_context(t, args.iters, args.repeats, tuple(args.impls))]
+    seal = None if args.skip_seal else bench_seal(args.iters, args.repeats)
+    kv6 = [r["us"] for r in rows if r["impl"] == "fused_kvarn6"]
+    if seal and kv6:
+        seal["per_token_us"] = round(seal["kernel_us"] / 128, 3)
+        seal["share_of_decode_step_kvarn6_last_context"] = round(seal["kernel_us"] / 128 / kv6[-1], 4)
+        seal["seal_event_over_decode_step"] = round(seal["kernel_us"] / kv6[-1], 3)
     print("seal", seal)
     device = mx.device_info() if hasattr(mx, "device_info") else {}
     result = {"device": str(device.get("device_name", platform.node())), "backend": active_backend(),
               "mlx": mx.__version__, "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "query_tokens": 1},
               "method": f"median of {args.repeats} timings, each {args.iters} calls built, then run in one mx.eval, "
                         "after warm-up; us = the eval, build_us = graph building before it",
-              "rows": rows, "seal": seal}
+              "note": args.note, "rows": rows, "seal": seal}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{'impl':16s} " + " ".join(f"{t:>14d}" for t in args.contexts))

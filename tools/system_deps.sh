@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Debian packages the tests need: chromium (the real-browser notebook test) and
+# Debian packages the tests need: chromium (the real-browser notebook test),
 # OpenBLAS (MLX's CPU wheel ships a slow reference BLAS; preloading OpenBLAS makes
-# float32 matmuls several times faster). Installs only what is missing; needs root or sudo.
+# float32 matmuls several times faster) and g++ (runs the CUDA kernel sources on CPU
+# threads). Installs only what is missing; needs root or sudo.
 set -euo pipefail
 if [ "$(uname -s)" != Linux ]; then
   # macOS: MLX uses Metal and Accelerate; the browser test finds a Chromium-family browser through
@@ -12,6 +13,7 @@ fi
 need=()
 [ -x "${GMLX_CHROMIUM:-/usr/bin/chromium}" ] || need+=(chromium)
 [ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] || [ "$(uname -m)" != x86_64 ] || need+=(libopenblas0-pthread)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
 [ ${#need[@]} -eq 0 ] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then
   echo "system_deps: missing ${need[*]} and no apt-get here; install them with your package manager" >&2

@@ -94,7 +94,7 @@ def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dty
 # -- kvarn ----------------------------------------------------------------------------------
 KVARN_WARPS = 4  # warps per kvarn_decode threadgroup; each walks its own run of units
 KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16 tensor-core products
-# One wave of warps on an H200: 132 multiprocessors x 3 threadgroups of 4 warps (the kernel's 168 registers
+# One wave of warps on an H200: 132 multiprocessors x 3 threadgroups of 4 warps (the kernel's 158 registers
 # per thread allow 3); more would leave a second, mostly idle wave.
 TARGET_WARPS = 132 * 12
 
@@ -164,7 +164,9 @@ def _kvarn_emulated(qg: mx.array, cache: Any, length: int, causal: bool, run: in
     r, s = kc.shape[1:3]
     qsl = qg.astype(mx.float32).reshape(bh, nq, s, 128)
     q32 = qg.astype(mx.float32)
-    sk, sv, rk, rv = (None if x is None else _flat(x).astype(mx.float32) for x in _fp16_parts(cache))
+    # recent tokens may be absent (None) or empty (a seal took them all and the tail is 0)
+    sk, sv, rk, rv = (None if x is None or x.shape[2] == 0 else _flat(x).astype(mx.float32)
+                      for x in _fp16_parts(cache))
     nr = 0 if rk is None else rk.shape[1]
     qtok = mx.arange(nq) % length
 
