@@ -23,7 +23,10 @@ def test_pack_roundtrip_and_size(bits):
     codes = mx.random.randint(0, 2**bits, (5, 128)).astype(mx.uint32)
     words = pack_rows(codes, bits)
     assert words.shape == (5, 4 * bits) and words.dtype == mx.uint32
-    assert mx.array_equal(unpack_rows(words, bits), codes)
+    back = unpack_rows(words, bits)
+    assert back.dtype == mx.uint32 and mx.array_equal(back, codes)
+    top = mx.full((2, 128), 2**bits - 1, mx.uint32)  # every bit set: masks and word-crossing codes
+    assert mx.array_equal(unpack_rows(pack_rows(top, bits), bits), top)
 
 
 def test_pack_layout_is_lsb_first_stream():
