@@ -1,10 +1,11 @@
 """Fused GPU kernels for the quantized caches: one body per kernel, a prelude per backend (CUDA, Metal).
 
-- `kvarn_decode`: decode attention straight from kvarn records (split-K, online softmax);
+- `kvarn_decode`: decode attention straight from kvarn records on the tensor cores (split-K, online softmax);
 - `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
 - `split_merge`: merges the splits by log-sum-exp and rotates the output back;
 - `kvarn_seal`: variance normalization, rounding and packing of records.
-On the CPU nothing here runs; the caches use their pure-MLX reference attention.
+On the CPU nothing here runs; the caches use their pure-MLX reference attention (tests run the CUDA
+source of kvarn_decode on CPU threads: tools/cpu_kernel.py).
 """
 
 from .build import active_backend, assemble
