@@ -14,7 +14,6 @@ Every function works on a batch of tiles (..., 128, 128) at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import mlx.core as mx
 
@@ -49,28 +48,23 @@ def pack_rows(codes: mx.array, bits: int) -> mx.array:
 def unpack_rows(words: mx.array, bits: int) -> mx.array:
     """Inverse of `pack_rows`: (..., 4*bits) uint32 words to (..., 128) codes (uint32).
 
-    Code i is stream bits [i*bits, (i+1)*bits): when `bits` divides 32 each word holds 32/bits whole codes
-    (shift and mask); otherwise a code may cross into the next word, so both words are gathered.
+    Code i is stream bits [i*bits, (i+1)*bits). When `bits` divides 32 each word holds 32/bits whole codes
+    (shift and mask). Otherwise every `bits` bytes hold 8 codes, and code j of such a group lies in its bytes
+    j*bits//8 and the next one: the stream read as little-endian bytes, which all of MLX's hosts are.
     """
     mask = (1 << bits) - 1
     if 32 % bits == 0:
         shifts = mx.arange(32 // bits, dtype=mx.uint32) * bits
         return ((words[..., None] >> shifts) & mask).reshape(*words.shape[:-1], TILE)
-    first, shift, second, up = _code_positions(bits)
-    lo = mx.take(words, first, axis=-1) >> shift
-    hi = mx.take(words, second, axis=-1) << up  # up = 0 (and second = first) for codes inside one word
-    return (lo | mx.where(up > 0, hi, 0)) & mask
-
-
-@cache
-def _code_positions(bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Per code of a row: its first word, its shift there, the word it may cross into, and the left shift of
-    that word's bits (0 when the code does not cross)."""
-    start = mx.arange(TILE, dtype=mx.uint32) * bits
-    first, shift = (start >> 5).astype(mx.int32), start & 31
-    crosses = shift + bits > 32
-    second = mx.where(crosses, first + 1, first)
-    return first, shift, second, mx.where(crosses, 32 - shift, 0).astype(mx.uint32)
+    groups = words.view(mx.uint8).reshape(*words.shape[:-1], TILE // 8, bits).astype(mx.uint32)
+    codes = []
+    for j in range(8):
+        byte, shift = divmod(j * bits, 8)
+        x = groups[..., byte]
+        if shift + bits > 8:  # the code continues in the next byte
+            x = x | (groups[..., byte + 1] << 8)
+        codes.append((x >> shift) & mask)
+    return mx.stack(codes, axis=-1).reshape(*words.shape[:-1], TILE)
 
 
 def _stds(x: mx.array) -> tuple[mx.array, mx.array]:
