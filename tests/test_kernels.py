@@ -7,6 +7,8 @@ deselects them and the run's summary says so: they did not run there, and nothin
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,12 +19,15 @@ from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.attention import grouped_attention
 from gmlx_lab.cache.kvarn import KVarNCache
 from gmlx_lab.cache.records import decode_tiles, encode_tiles, unpack_rows
-from gmlx_lab.kernels import KERNELS, active_backend, assemble, seal_records
+from gmlx_lab.kernels import KERNELS, active_backend, assemble, seal_records, threads
 from gmlx_lab.kernels.decode import affine_partials, group_queries, kvarn_partials, merge_splits
 
 ON_GPU = active_backend() != "cpu"
 # float32 on the CPU; on a GPU the reference's own matmuls may use tf32, so 1e-5 becomes 2e-3
 EMU_TOL = 1e-2 if ON_GPU else 1e-5  # the H200 log shows the emulation's CUDA matmuls at 2.3e-3 to 7.7e-3
+# kvarn_decode against its float32 emulation: the tensor cores take float16 operands (q * k_scale, p * v_scale),
+# on a GPU and on CPU threads alike (1.3e-3 at most in the H200 run)
+KERNEL_TOL = 1e-2
 gpu = pytest.mark.gpu
 
 CUDA_ONLY = ("__shared__", "__syncthreads", "threadIdx", "blockIdx", "blockDim", "__half", "__shfl", "__device__")
@@ -101,6 +106,7 @@ KVARN_CASES = [
     (128, 32, 4, 1, 2, 8, 128 + 6 * 128 + 1, 300),
     (256, 4, 4, 1, 5, 6, 128 + 4 * 128 + 129, 100),
     (128, 4, 2, 1, 2, 6, 128 + 2 * 128, 0),  # records end exactly, tail 0: no recent tokens at all
+    (128, 20, 2, 1, 5, 8, 128 + 2 * 128 + 10, 0),  # 10 query vectors: a second, partly empty group of 8
 ]
 AFFINE_CASES = [(b, gs, d, lq) for b, gs, d, lq in [
     (2, 32, 128, 1), (3, 32, 128, 2), (4, 64, 128, 1), (6, 64, 256, 4), (8, 128, 128, 3), (8, 64, 512, 1),
@@ -199,11 +205,11 @@ def test_kvarn_kernel_equals_emulation(case: tuple[int, ...]) -> None:
         ko, kl = kvarn_partials(qg, d**-0.5, c, lq, lq > 1, per_warp=per)
         eo, el = kvarn_partials(qg, d**-0.5, c, lq, lq > 1, per_warp=per, emulate=True)
         assert ko.shape == eo.shape and kl.shape == el.shape
-        assert _rel(ko, eo) < EMU_TOL and mx.allclose(kl, el, rtol=EMU_TOL, atol=EMU_TOL).item()
+        assert _rel(ko, eo) < KERNEL_TOL and mx.allclose(kl, el, rtol=KERNEL_TOL, atol=KERNEL_TOL).item()
         for rotate in (False, True):
             mo, ml = merge_splits(ko, kl, rotate=rotate)
             xo, xl = merge_splits(eo, el, rotate=rotate, emulate=True)
-            assert _rel(mo, xo) < EMU_TOL and mx.allclose(ml, xl, rtol=EMU_TOL, atol=EMU_TOL).item()
+            assert _rel(mo, xo) < KERNEL_TOL and mx.allclose(ml, xl, rtol=KERNEL_TOL, atol=KERNEL_TOL).item()
 
 
 @gpu
@@ -256,3 +262,38 @@ def test_seal_matches_encode_tiles(bits: int, kind: str) -> None:
     fields = [[getattr(r, f) for f in ("codes", "scale_axis", "zp_axis", "other_axis")] for r in (got, want)]
     assert _rel(decode_tiles(*fields[0], bits), decode_tiles(*fields[1], bits)) < 5e-3
     assert mx.allclose(got.imbalance_after, want.imbalance_after, rtol=1e-3).item()
+
+
+# -- the CPU-thread runner itself (tests/conftest.py routes the `gpu` tests through it on a CPU) ------------
+@contextmanager
+def _on_cpu() -> Iterator[None]:
+    """The default device set to the CPU for a block, so that kernels take the CPU-thread runner."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(before)
+
+
+def test_cpu_threads_catch_a_one_lane_slip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvarn_decode with the zero-point shuffle reading the wrong lane must fail against the emulation: the
+    CPU-thread runs of the `gpu` tests are not vacuous."""
+    c = _kvarn_cache(128, 2, 6, 6, 128 + 3 * 128 + 77, 128, seed=0)
+    qg = group_queries(mx.random.normal((1, 4, 1, 128)), 2)
+    eo, _ = kvarn_partials(qg, 0.1, c, 1, False, per_warp=1, emulate=True)
+    real = threads.read
+    with _on_cpu(), threads.on_cpu_threads():
+        good, _ = kvarn_partials(qg, 0.1, c, 1, False, per_warp=1)
+        slip = lambda name: real(name).replace("simd_shuffle_f(zq, 8u * t + 4u)", "simd_shuffle_f(zq, 8u * t)")  # noqa: E731
+        monkeypatch.setattr(threads, "read", slip)
+        bad, _ = kvarn_partials(qg, 0.1, c, 1, False, per_warp=1)
+    assert _rel(good, eo) < KERNEL_TOL and _rel(bad, eo) > 0.1
+
+
+def test_cpu_threads_refuse_what_they_cannot_run() -> None:
+    x = mx.zeros((4,), mx.bfloat16)
+    with pytest.raises(ValueError, match="accept"):
+        threads.launch("split_merge", {"x": x}, {"o": ((4,), mx.float32)}, (32, 1, 1), (32, 1, 1), {})
+    with pytest.raises(ValueError, match="threadgroup"):
+        threads.launch("split_merge", {}, {"o": ((4,), mx.float32)}, (32, 1, 1), (48, 1, 1), {})

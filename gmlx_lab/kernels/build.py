@@ -78,6 +78,10 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
     """Run kernel `name` on the active GPU backend; grid counts threads, as in both MLX APIs."""
     backend = active_backend()
     if backend == "cpu":
+        from . import threads
+
+        if threads.enabled():  # tests: the same body on CPU threads (threads.py)
+            return threads.launch(name, inputs, outputs, grid, threadgroup, template)
         raise RuntimeError(f"kernel {name}: no GPU backend is active (MLX runs on the CPU); use the reference path")
     kernel = _kernel(name, backend, tuple(inputs), tuple(outputs))
     return kernel(
