@@ -39,6 +39,17 @@ def _words(text: str, names: tuple[str, ...]) -> list[str]:
     return [n for n in names if n in text]
 
 
+@contextmanager
+def _on_cpu() -> Iterator[None]:
+    """The default device set to the CPU for a block, so that kernels take the CPU-thread runner."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(before)
+
+
 # -- sources (CPU) -------------------------------------------------------------------------
 @pytest.mark.parametrize("name", KERNELS)
 def test_sources_assemble_per_backend(name: str) -> None:
@@ -82,18 +93,19 @@ def test_unknown_backend_is_refused() -> None:
 
 
 def test_cpu_defaults_to_reference() -> None:
-    if ON_GPU:
-        pytest.skip("this machine has a GPU backend")
-    c = KVarNCache(6, 6, kv_tail_tokens=128)
-    c.update_and_fetch(*random_kv(600))
-    q = mx.random.normal((1, 2, 1, 128))
-    c.attention_path = "fused"
-    with pytest.raises(RuntimeError, match="no GPU backend"):
-        c.attend(q, 0.1, None)
-    c.attention_path = "auto"
-    auto = c.attend(q, 0.1, None)
-    c.attention_path = "reference"
-    assert mx.array_equal(auto, c.attend(q, 0.1, None))
+    """On the CPU (the default device set to it, so this runs on GPU machines too) "auto" is the reference and
+    "fused" refuses clearly: no kernel runs there outside the tests' CPU-thread runner."""
+    with _on_cpu():
+        c = KVarNCache(6, 6, kv_tail_tokens=128)
+        c.update_and_fetch(*random_kv(600))
+        q = mx.random.normal((1, 2, 1, 128))
+        c.attention_path = "fused"
+        with pytest.raises(RuntimeError, match="no GPU backend"):
+            c.attend(q, 0.1, None)
+        c.attention_path = "auto"
+        auto = c.attend(q, 0.1, None)
+        c.attention_path = "reference"
+        assert mx.array_equal(auto, c.attend(q, 0.1, None))
 
 
 # -- shared cases -----------------------------------------------------------------------------
@@ -265,17 +277,6 @@ def test_seal_matches_encode_tiles(bits: int, kind: str) -> None:
 
 
 # -- the CPU-thread runner itself (tests/conftest.py routes the `gpu` tests through it on a CPU) ------------
-@contextmanager
-def _on_cpu() -> Iterator[None]:
-    """The default device set to the CPU for a block, so that kernels take the CPU-thread runner."""
-    before = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        yield
-    finally:
-        mx.set_default_device(before)
-
-
 def test_cpu_threads_catch_a_one_lane_slip(monkeypatch: pytest.MonkeyPatch) -> None:
     """kvarn_decode with the zero-point shuffle reading the wrong lane must fail against the emulation: the
     CPU-thread runs of the `gpu` tests are not vacuous."""
