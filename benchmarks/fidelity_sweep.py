@@ -25,7 +25,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from gmlx_lab.cli import EVAL_TEXT, _specs, encode, load_model
+from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.fidelity import SWEEPS, FidelityResult, fidelity, scheme_label, single_layer_policy
 from gmlx_lab.fidelity import parse_scheme_spec as parse
 from gmlx_lab.policy import policy
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown sweep {name!r}; accepted: {', '.join(SWEEPS)}")
         sections[name] = [scheme_label(*parse(s)) for s in SWEEPS[name]]
         specs += SWEEPS[name]
-    extra = _specs(args.schemes) if args.schemes.strip() else []
+    extra = scheme_list(args.schemes) if args.schemes.strip() else []
     if extra:
         sections["schemes"] = [scheme_label(*parse(s)) for s in extra]
     specs += extra
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             seen.add(label)
             unique.append(spec)
     model, tokenizer = load_model(args.model)
-    layer_specs = _specs(args.layer_schemes) if args.layer_schemes.strip() else []
+    layer_specs = scheme_list(args.layer_schemes) if args.layer_schemes.strip() else []
     probes, probe_labels = [], []
     for spec in layer_specs:
         scheme, options = parse(spec)

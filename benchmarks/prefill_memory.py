@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fidelity_sweep import RESULTS, machine
 
-from gmlx_lab.cli import MEMORY_SCHEMES, _specs, load_model
+from gmlx_lab.cli import MEMORY_SCHEMES, load_model, scheme_list
 from gmlx_lab.memory import memory_report, prefill_peak
 
 
@@ -34,12 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     steps = [int(s) for s in args.steps.split(",")]
     model, _ = load_model(args.model)
 
-    report = memory_report(model, _specs(args.schemes), context=args.context)
+    report = memory_report(model, scheme_list(args.schemes), context=args.context)
     print(report.to_markdown())
     peaks = []
     from tqdm import tqdm
 
-    for spec in tqdm(_specs(args.peak_schemes), desc="prefill peak", file=sys.stderr):
+    for spec in tqdm(scheme_list(args.peak_schemes), desc="prefill peak", file=sys.stderr):
         peaks += prefill_peak(model, spec, context=args.context, steps=steps)
     print("\n| scheme | step | peak MiB | above start MiB | cache MiB | s |\n|---|---|---|---|---|---|")
     for p in peaks:

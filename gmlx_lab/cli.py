@@ -58,8 +58,11 @@ def _read_text(path: str | None) -> str:
     return file.read_text(encoding="utf-8")
 
 
-def _specs(text: str) -> list[str]:
-    """Split a scheme list "fp16,affine4,kvarn6:tail=128" (commas inside options stay with their scheme)."""
+def scheme_list(text: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """Split a scheme list "fp16,affine4,kvarn6:tail=128" (commas inside options stay with their scheme).
+
+    Every spec is checked against the registry; names in `extra` (e.g. a benchmark's own baselines) pass as is.
+    """
     from .fidelity import parse_scheme_spec
     from .registry import SCHEMES
 
@@ -75,7 +78,8 @@ def _specs(text: str) -> list[str]:
     if not specs:
         raise ValueError("--schemes is empty")
     for spec in specs:
-        parse_scheme_spec(spec)
+        if spec not in extra:
+            parse_scheme_spec(spec)
     return specs
 
 
@@ -86,7 +90,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
     from .fidelity import parse_scheme_spec
     from .policy import policy
 
-    specs = _specs(args.schemes)
+    specs = scheme_list(args.schemes)
     model, _ = load_model(args.model_name)
     reports = []
     for spec in specs:
@@ -111,7 +115,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from .fidelity import fidelity, layer_sensitivity, sweep_specs
 
-    specs = sweep_specs(args.sweep) if args.sweep and args.sweep != "layers" else _specs(args.schemes)
+    specs = sweep_specs(args.sweep) if args.sweep and args.sweep != "layers" else scheme_list(args.schemes)
     text = _read_text(args.text_file)
     model, tokenizer = load_model(args.model)
     tokens = encode(tokenizer, model, text)
@@ -134,7 +138,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 def cmd_memory(args: argparse.Namespace) -> int:
     from .memory import memory_report
 
-    specs = _specs(args.schemes)
+    specs = scheme_list(args.schemes)
     model, _ = load_model(args.model)
     report = memory_report(model, specs, context=args.context)
     if args.json:
@@ -152,7 +156,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .kv_inspect import first_divergence, greedy
     from .policy import policy
 
-    specs = _specs(args.schemes)
+    specs = scheme_list(args.schemes)
     model, tokenizer = load_model(args.model)
     if args.prompt is not None:
         prompt = encode(tokenizer, model, args.prompt)
