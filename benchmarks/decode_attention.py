@@ -23,8 +23,8 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.kvarn import KVarNCache
-from gmlx_lab.cache.records import encode_tiles
 from gmlx_lab.kernels import active_backend, seal_records
+from gmlx_lab.records import encode_tiles
 
 HQ, HKV, D = 32, 8, 128
 

@@ -27,10 +27,9 @@ import mlx.nn as nn
 import numpy as np
 
 from .cache import AffineCache, FP16Cache, GmlxCache, KVarNCache
-from .cache.kvarn import SINK_TOKENS
-from .cache.records import TILE
 from .metrics import kl_from_logprobs, perplexity_from_nll
 from .policy import Policy, PromptCache, policy
+from .records import TILE, region_tokens
 from .registry import SCHEMES, get_scheme
 
 __all__ = [
@@ -156,7 +155,7 @@ def fp16_equivalent(cache: Any, decision: Any) -> int:
 
 
 def _expected_records(cache: KVarNCache) -> int:
-    return max(0, cache.offset - SINK_TOKENS - cache.kv_tail_tokens) // TILE
+    return region_tokens(cache.offset, cache.kv_tail_tokens, cache.newest)["body"] // TILE
 
 
 def _check_layer(cache: Any, d: Any, options: dict[str, Any]) -> str:

@@ -32,7 +32,7 @@ EVAL_TEXT = Path(__file__).resolve().parent / "data" / "eval_text.txt"
 
 __all__ = [
     "Capture", "Generation", "capture", "eval_tokens", "first_divergence", "generate",
-    "greedy", "kvarn_region_tokens",
+    "greedy",
 ]
 
 
@@ -41,9 +41,7 @@ class _RecordingFP16Cache(FP16Cache):
 
     probs: list[mx.array]
 
-    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        keys = self.keys.view(self.offset).astype(queries.dtype)
-        values = self.values.view(self.offset).astype(queries.dtype)
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         probs = mx.softmax(grouped_scores(queries, keys, scale, mask), axis=-1)
         self.probs.append(probs.reshape(queries.shape[0], queries.shape[1], queries.shape[2], -1))
         return grouped_output(probs, values)
@@ -176,18 +174,3 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None
-
-
-def kvarn_region_tokens(context: int, kv_tail_tokens: int, sink: int = 128, record: int = 128) -> dict[str, int]:
-    """Tokens in each kvarn region after `context` tokens arrived one at a time (KVarNCache's geometry).
-
-    The sink takes the first `sink` tokens; the rest wait as fp16 until they have
-    left the newest `kv_tail_tokens` and their group of `record` is complete.
-    `tests/test_viz.py` checks this against `KVarNCache.region_tokens()`.
-    """
-    s = min(context, sink)
-    recent = context - s
-    sealed = max(recent - kv_tail_tokens, 0) // record * record
-    recent -= sealed
-    tail = min(recent, kv_tail_tokens)
-    return {"sink": s, "body": sealed, "live": recent - tail, "tail": tail}

@@ -178,6 +178,8 @@ def memory_report(model: nn.Module, schemes: Iterable[SchemeLike] = ("fp16", "af
                     k, v = entry.update_and_fetch(keys[..., start:start + chunk, :].astype(mx.float32),
                                                   values[..., start:start + chunk, :].astype(mx.float32))
                     mx.eval(k, v)
+                if isinstance(entry, KVarNCache):
+                    entry.seal()  # the groups the last chunk made due: what the next token would seal
             else:
                 cache[i] = source  # the model's own entry (window, recurrent): the same under every scheme
         report.schemes.append(SchemeMemory(chosen.label, [_layer_memory(c, d) for c, d in

@@ -175,6 +175,10 @@ class PromptCache(list):
         """Resident bytes of every entry."""
         return sum(c.nbytes for c in self)
 
+    def seal(self) -> int:
+        """Seal what each kvarn layer has due now (see KVarNCache.seal); returns the records sealed per head."""
+        return sum(c.seal() for c in self if hasattr(c, "seal"))
+
     def regions(self) -> list[dict[str, int]]:
         """Per-layer resident bytes by region (our caches), or one "native" entry for the model's own caches."""
         return [c.regions() if isinstance(c, GmlxCache) else {"native": c.nbytes} for c in self]

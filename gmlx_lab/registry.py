@@ -78,6 +78,16 @@ class Scheme:
                 values[opt.name] = opt.check(values[opt.name], self.name)
         return values
 
+    def check(self, where: str, **values: Any) -> None:
+        """Check option values given to a cache constructor (no defaults, no environment), naming `where`."""
+        for key, value in values.items():
+            try:
+                self.option(key).check(value, self.name)
+            except KeyError:
+                raise ValueError(f"{where}: {self.name} has no option {key!r}") from None
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+
     def label(self, values: dict[str, Any]) -> str:
         """Short name such as `fp16`, `affine8 g64` or `kvarn k6v5 tail=1024`."""
         if self.name == "fp16":

@@ -53,7 +53,7 @@ def test_affine_attention_equals_attention_over_fetched(group, rotate):
     cache.update_and_fetch(k[:, :, :296], v[:, :, :296])
     kk, vv = cache.update_and_fetch(k[:, :, 296:], v[:, :, 296:])
     q = mx.random.normal((1, 4, 4, 128))
-    ours = cache.attend(q, scale=0.09, mask="causal")
+    ours = cache.attend(q, kk, vv, scale=0.09, mask="causal")
     ref = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=0.09, mask="causal")
     # on a GPU the matmuls run in float16 (CUDA quantized_matmul has no float32): the H200 log shows 3.3e-3
     tol = 2e-3 if mx.default_device() == mx.cpu else 6e-3

@@ -109,7 +109,7 @@ def test_audit_fails_loudly_on_a_doctored_cache(llama):
     cache = _filled(llama, "kvarn", bits=4, kv_tail_tokens=0)
     audit(cache)
     fake = FP16Cache(layer=1)
-    k, v = cache[1].rotated_kv()
+    k, v = cache[1].fetch()
     fake.update_and_fetch(k, v)
     cache[1] = fake  # the policy still says layer 1 is kvarn
     with pytest.raises(AuditError, match="layer 1: policy says kvarn but the cache is FP16Cache"):

@@ -18,9 +18,9 @@ from conftest import random_kv
 from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.attention import grouped_attention
 from gmlx_lab.cache.kvarn import KVarNCache
-from gmlx_lab.cache.records import decode_tiles, encode_tiles, unpack_rows
-from gmlx_lab.kernels import KERNELS, active_backend, assemble, seal_records, threads
+from gmlx_lab.kernels import KERNELS, active_backend, assemble, seal_records, threads, unpack_records
 from gmlx_lab.kernels.decode import affine_partials, group_queries, kvarn_partials, merge_splits
+from gmlx_lab.records import decode_tiles, decode_tokens, encode_tokens, unpack_rows
 
 ON_GPU = active_backend() != "cpu"
 # float32 on the CPU; on a GPU the reference's own matmuls may use tf32, so 1e-5 becomes 2e-3
@@ -97,15 +97,16 @@ def test_cpu_defaults_to_reference() -> None:
     "fused" refuses clearly: no kernel runs there outside the tests' CPU-thread runner."""
     with _on_cpu():
         c = KVarNCache(6, 6, kv_tail_tokens=128)
-        c.update_and_fetch(*random_kv(600))
+        k, v = c.update_and_fetch(*random_kv(600))
+        c.seal()
         q = mx.random.normal((1, 2, 1, 128))
         c.attention_path = "fused"
         with pytest.raises(RuntimeError, match="no GPU backend"):
-            c.attend(q, 0.1, None)
+            c.attend(q, k, v, 0.1, None)
         c.attention_path = "auto"
-        auto = c.attend(q, 0.1, None)
+        auto = c.attend(q, k, v, 0.1, None)
         c.attention_path = "reference"
-        assert mx.array_equal(auto, c.attend(q, 0.1, None))
+        assert mx.array_equal(auto, c.attend(q, k, v, 0.1, None))
 
 
 # -- shared cases -----------------------------------------------------------------------------
@@ -125,12 +126,24 @@ AFFINE_CASES = [(b, gs, d, lq) for b, gs, d, lq in [
     (4, 32, 64, 1), (6, 128, 128, 1), (3, 64, 256, 1)]]
 
 
-def _kvarn_cache(d: int, hkv: int, kb: int, vb: int, tokens: int, tail: int, seed: int) -> KVarNCache:
+def _kvarn_cache(d: int, hkv: int, kb: int, vb: int, tokens: int, tail: int, seed: int,
+                 seal: bool = True) -> KVarNCache:
+    """A kvarn cache fed in chunks of 333; `seal` also seals the groups the last chunk made due."""
     c = KVarNCache(kb, vb, kv_tail_tokens=tail)
     k, v = random_kv(tokens, hkv, d, seed=seed)
     for i in range(0, tokens, 333):
         c.update_and_fetch(k[:, :, i:i + 333], v[:, :, i:i + 333])
+    if seal:
+        c.seal()
     return c
+
+
+def _attend(c, q: mx.array, mask) -> mx.array:
+    """The cache's attention as mlx-lm's seam calls it: with the K/V that fetching returns."""
+    k, v = c.fetch(q.dtype) if isinstance(c, KVarNCache) else c._stored(c.offset, q.dtype)
+    if isinstance(c, AffineCache) and c.rotate:
+        k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
+    return c.attend(q, k, v, q.shape[-1] ** -0.5, mask)
 
 
 def _affine_cache(bits: int, gs: int, d: int, tokens: int, seed: int, rotate: bool = False) -> AffineCache:
@@ -148,9 +161,9 @@ def _rel(a: mx.array, b: mx.array) -> float:
 
 def _attend_both(c, q: mx.array, mask, path: str) -> tuple[mx.array, mx.array]:
     c.attention_path = "reference"
-    ref = c.attend(q, q.shape[-1] ** -0.5, mask)
+    ref = _attend(c, q, mask)
     c.attention_path = path
-    out = c.attend(q, q.shape[-1] ** -0.5, mask)
+    out = _attend(c, q, mask)
     assert not mx.any(mx.isnan(out)).item()
     return out, ref
 
@@ -168,10 +181,14 @@ def test_kvarn_emulated_matches_reference(case: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize("per_split", [1, 2, 3, 100])
 def test_kvarn_split_merge_is_one_softmax(per_split: int) -> None:
-    c = _kvarn_cache(128, 2, 6, 6, 128 + 7 * 128 + 50, 0, seed=per_split)
+    c = _kvarn_cache(128, 2, 6, 6, 128 + 7 * 128 + 50, 0, seed=per_split, seal=False)
     qg = group_queries(mx.random.normal((1, 4, 1, 128)), 2)
-    one_o, one_l = merge_splits(*kvarn_partials(qg, 0.3, c, 1, False, per_warp=10**6, emulate=True), emulate=True)
-    o, lse = merge_splits(*kvarn_partials(qg, 0.3, c, 1, False, per_warp=per_split, emulate=True), emulate=True)
+
+    def merged(per: int) -> tuple[mx.array, mx.array]:
+        o, lse, nrot = kvarn_partials(qg, 0.3, c.parts(), 1, False, per_warp=per, emulate=True)
+        return merge_splits(o, lse, rotate=True, emulate=True, rotated_splits=nrot)
+    one_o, one_l = merged(10**6)
+    o, lse = merged(per_split)
     assert _rel(o, one_o) < EMU_TOL and mx.allclose(lse, one_l, atol=EMU_TOL).item()
 
 
@@ -181,7 +198,7 @@ def test_affine_emulated_matches_reference(case: tuple[int, ...]) -> None:
     c = _affine_cache(bits, gs, d, 128 * 5 + 37, seed=bits * gs)
     q = mx.random.normal((1, 4, lq, d))
     c.attention_path = "emulated"
-    out = c.attend(q, d**-0.5, "causal" if lq > 1 else None)
+    out = _attend(c, q, "causal" if lq > 1 else None)
     assert _rel(out, _affine_dequantized_reference(c, q, "causal" if lq > 1 else None)) < EMU_TOL
 
 
@@ -211,16 +228,16 @@ def test_kvarn_fused_matches_reference(case: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("case", KVARN_CASES[:3])
 def test_kvarn_kernel_equals_emulation(case: tuple[int, ...]) -> None:
     d, hq, hkv, lq, kb, vb, tokens, tail = case
-    c = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=7)
-    qg = group_queries(mx.hadamard_transform(mx.random.normal((1, hq, lq, d))), hkv)
+    c = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=7, seal=False)
+    qg = group_queries(mx.random.normal((1, hq, lq, d)), hkv)
     for per in (1, 2, 5):
-        ko, kl = kvarn_partials(qg, d**-0.5, c, lq, lq > 1, per_warp=per)
-        eo, el = kvarn_partials(qg, d**-0.5, c, lq, lq > 1, per_warp=per, emulate=True)
-        assert ko.shape == eo.shape and kl.shape == el.shape
+        ko, kl, kn = kvarn_partials(qg, d**-0.5, c.parts(), lq, lq > 1, per_warp=per)
+        eo, el, en = kvarn_partials(qg, d**-0.5, c.parts(), lq, lq > 1, per_warp=per, emulate=True)
+        assert ko.shape == eo.shape and kl.shape == el.shape and kn == en
         assert _rel(ko, eo) < KERNEL_TOL and mx.allclose(kl, el, rtol=KERNEL_TOL, atol=KERNEL_TOL).item()
-        for rotate in (False, True):
-            mo, ml = merge_splits(ko, kl, rotate=rotate)
-            xo, xl = merge_splits(eo, el, rotate=rotate, emulate=True)
+        for rotated in (0, kn, ko.shape[1]):  # none, the records' splits, all
+            mo, ml = merge_splits(ko, kl, rotate=rotated > 0, rotated_splits=rotated)
+            xo, xl = merge_splits(eo, el, rotate=rotated > 0, emulate=True, rotated_splits=rotated)
             assert _rel(mo, xo) < KERNEL_TOL and mx.allclose(ml, xl, rtol=KERNEL_TOL, atol=KERNEL_TOL).item()
 
 
@@ -231,7 +248,7 @@ def test_affine_fused_matches_reference(case: tuple[int, ...]) -> None:
     c = _affine_cache(bits, gs, d, 128 * 9 + 61, seed=bits + gs)
     q = mx.random.normal((1, 4, lq, d))
     c.attention_path = "fused"
-    out = c.attend(q, d**-0.5, "causal" if lq > 1 else None)
+    out = _attend(c, q, "causal" if lq > 1 else None)
     assert _rel(out, _affine_dequantized_reference(c, q, "causal" if lq > 1 else None)) < 2e-3
 
 
@@ -248,9 +265,9 @@ def test_affine_fused_rotated_and_split_counts() -> None:
     c = _affine_cache(4, 64, 128, 128 * 20 + 3, seed=1, rotate=True)
     q = mx.random.normal((1, 8, 1, 128))
     c.attention_path = "fused"
-    assert _rel(c.attend(q, 128**-0.5, None), _affine_dequantized_reference(c, q, None)) < 2e-3
+    assert _rel(_attend(c, q, None), _affine_dequantized_reference(c, q, None)) < 2e-3
     qg = group_queries(q, 2)
-    kp, vp = ([b.data for b in bufs] for bufs in c.packed)
+    kp, vp = ([b.data for b in bufs] for bufs in c.packed)  # the buffers the fused path reads
     for per in (1, 3, 7):
         ko, kl = affine_partials(qg, 128**-0.5, kp, vp, c.offset, 4, 64, 1, False, per_split=per)
         eo, el = affine_partials(qg, 128**-0.5, kp, vp, c.offset, 4, 64, 1, False, per_split=per, emulate=True)
@@ -264,16 +281,27 @@ def test_seal_matches_encode_tiles(bits: int, kind: str) -> None:
     k, v = random_kv(128 * 3, 2, 256, seed=bits)
     x = mx.hadamard_transform(k if kind == "k" else v).astype(mx.float16)
     got = seal_records(x, bits, kind)
-    want = encode_tiles(KVarNCache._to_tiles(x, kind), bits, kind)
+    want = encode_tokens(x, bits, kind)
     qa, qb = unpack_rows(got.codes, bits).astype(mx.int32), unpack_rows(want.codes, bits).astype(mx.int32)
     diff = mx.abs(qa - qb)
     frac = mx.mean(diff > 0).item()
     print(f"seal k/v={kind} bits={bits}: {frac:.2e} of codes differ, max step {diff.max().item()}")
     assert frac <= 2e-3 and diff.max().item() <= 1  # summation order flips at most a few roundings by one step
     # axis vectors are fp16 and may differ by an ulp; compare what they decode to
-    fields = [[getattr(r, f) for f in ("codes", "scale_axis", "zp_axis", "other_axis")] for r in (got, want)]
-    assert _rel(decode_tiles(*fields[0], bits), decode_tiles(*fields[1], bits)) < 5e-3
+    assert _rel(decode_tiles(*got.arrays, bits), decode_tiles(*want.arrays, bits)) < 5e-3
     assert mx.allclose(got.imbalance_after, want.imbalance_after, rtol=1e-3).item()
+
+
+@gpu
+@pytest.mark.parametrize(("bits", "kind", "dim", "dtype"), [(6, "k", 128, mx.float16), (3, "v", 256, mx.float16),
+                                                           (5, "k", 512, mx.float32), (2, "v", 128, mx.float16)])
+def test_unpack_kernel_decodes_records(bits: int, kind: str, dim: int, dtype: mx.Dtype) -> None:
+    """kvarn_unpack gives back the tokens that records.decode_tokens computes (prefill attention reads them)."""
+    k, v = random_kv(128 * 3, 2, dim, seed=bits)
+    records = encode_tokens(mx.hadamard_transform(k if kind == "k" else v), bits, kind)
+    got = unpack_records(records, dtype)
+    assert got.dtype == dtype and got.shape == (1, 2, 384, dim)
+    assert _rel(got, decode_tokens(records)) < (1e-3 if dtype == mx.float16 else 1e-6)
 
 
 # -- the CPU-thread runner itself (tests/conftest.py routes the `gpu` tests through it on a CPU) ------------
@@ -282,13 +310,13 @@ def test_cpu_threads_catch_a_one_lane_slip(monkeypatch: pytest.MonkeyPatch) -> N
     CPU-thread runs of the `gpu` tests are not vacuous."""
     c = _kvarn_cache(128, 2, 6, 6, 128 + 3 * 128 + 77, 128, seed=0)
     qg = group_queries(mx.random.normal((1, 4, 1, 128)), 2)
-    eo, _ = kvarn_partials(qg, 0.1, c, 1, False, per_warp=1, emulate=True)
+    eo, _, _ = kvarn_partials(qg, 0.1, c.parts(), 1, False, per_warp=1, emulate=True)
     real = threads.read
     with _on_cpu(), threads.on_cpu_threads():
-        good, _ = kvarn_partials(qg, 0.1, c, 1, False, per_warp=1)
+        good, _, _ = kvarn_partials(qg, 0.1, c.parts(), 1, False, per_warp=1)
         slip = lambda name: real(name).replace("simd_shuffle_f(zq, 8u * t + 4u)", "simd_shuffle_f(zq, 8u * t)")  # noqa: E731
         monkeypatch.setattr(threads, "read", slip)
-        bad, _ = kvarn_partials(qg, 0.1, c, 1, False, per_warp=1)
+        bad, _, _ = kvarn_partials(qg, 0.1, c.parts(), 1, False, per_warp=1)
     assert _rel(good, eo) < KERNEL_TOL and _rel(bad, eo) > 0.1
 
 

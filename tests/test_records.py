@@ -4,8 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gmlx_lab.cache.kvarn import decode_record, encode_record
-from gmlx_lab.cache.records import imbalance, normalize, pack_rows, unpack_rows
+from gmlx_lab.records import decode_record, encode_record, imbalance, normalize, pack_rows, unpack_rows
 
 BITS = (2, 3, 4, 5, 6, 8)
 

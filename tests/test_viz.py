@@ -9,8 +9,8 @@ import pytest
 from conftest import random_kv
 
 import gmlx_lab
-from gmlx_lab import kv_inspect, viz
-from gmlx_lab.cache import KVarNCache, records
+from gmlx_lab import kv_inspect, records, viz
+from gmlx_lab.cache import KVarNCache
 from gmlx_lab.models import specimen
 
 
@@ -19,9 +19,12 @@ def test_region_geometry_matches_the_cache(context: int, tail: int) -> None:
     cache = KVarNCache(4, 4, kv_tail_tokens=tail)
     if context:
         k, v = random_kv(context, heads=1)
-        for s in range(0, context, 250):  # chunked prefill ends in the same state as one token at a time
+        for s in range(0, context, 250):  # the last chunk's tokens wait for the next update to be sealed
             cache.update_and_fetch(k[:, :, s : s + 250], v[:, :, s : s + 250])
-    assert kv_inspect.kvarn_region_tokens(context, tail) == cache.region_tokens()
+    newest = (context - 1) % 250 + 1 if context else 0
+    assert records.region_tokens(context, tail, newest) == cache.region_tokens()
+    cache.seal()
+    assert records.region_tokens(context, tail) == cache.region_tokens()
 
 
 def test_kvarn_layer_bytes_match_the_cache() -> None:
@@ -29,9 +32,10 @@ def test_kvarn_layer_bytes_match_the_cache() -> None:
     cache = KVarNCache(4, 6, kv_tail_tokens=tail)
     k, v = random_kv(context, heads=1)
     cache.update_and_fetch(k, v)
+    cache.seal()
     shape = viz.LayerShape("attention", 1, 128, 128)
     options = {"k_bits": 4, "v_bits": 6, "kv_tail_tokens": tail}
-    assert viz.layer_bytes(shape, "kvarn", context, options) == cache.nbytes
+    assert viz.layer_bytes(shape, "kvarn", context, options) == cache.nbytes - cache.regions()["reserve"]
 
 
 def test_fp16_and_affine_formulas() -> None:

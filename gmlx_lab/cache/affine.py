@@ -14,7 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..registry import AFFINE_BITS, GROUP_SIZES
+from ..kernels import active_backend, affine_attend, affine_supported
+from ..registry import get_scheme
 from .attention import apply_mask
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer
@@ -32,12 +33,8 @@ class AffineCache(GmlxCache):
         layer: int | None = None,
     ):
         super().__init__(layer)
-        if bits not in AFFINE_BITS:
-            raise ValueError(f"{self.where()}: affine bits={bits} is not supported; accepted: {AFFINE_BITS}")
-        if group_size not in GROUP_SIZES:
-            raise ValueError(
-                f"{self.where()}: affine group_size={group_size} is not supported; accepted: {GROUP_SIZES}"
-            )
+        get_scheme("affine_rot" if rotate else "affine").check(
+            self.where(), bits=bits, group_size=group_size, quantized_kv_start=quantized_kv_start)
         self.k_bits = bits
         self.group_size = group_size
         self.quantized_kv_start = quantized_kv_start
@@ -75,7 +72,7 @@ class AffineCache(GmlxCache):
                 buf.write(start, part)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.check_input(keys, values)
+        keys, values = self.arrive(keys, values)
         self._check_dims(keys, values)
         dtype = keys.dtype
         if self.rotate:
@@ -100,13 +97,16 @@ class AffineCache(GmlxCache):
             return tuple(self._dequantize([b.view(end) for b in bufs], dtype) for bufs in self.packed)
         return self.fp16[0].view(end), self.fp16[1].view(end)
 
-    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        """Attention straight from the codes: fused split-K kernel on a GPU, else two `mx.quantized_matmul`."""
-        from ..kernels import affine_attend, affine_supported
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        """Attention straight from the codes: fused split-K kernel on a GPU, else two `mx.quantized_matmul`.
 
-        route = self.kernel_route(affine_supported(self, queries, mask))
+        keys/values are what update_and_fetch returned (the decoded codes); the fused path does not read them.
+        """
+        route = self.kernel_route(self.quantized and affine_supported(queries, mask))
         if route is not None:
-            return affine_attend(self, queries, scale, mask, emulate=route == "emulated")
+            parts = [[b.data for b in bufs] for bufs in self.packed]
+            return affine_attend(queries, scale, mask, parts, self.offset, self.k_bits, self.group_size,
+                                 self.rotate, emulate=route == "emulated")
         q = mx.hadamard_transform(queries) if self.rotate else queries
         if not self.quantized or self._cuda_long_block(queries):
             # fp16 rows; or, on CUDA, a query block (prefill) that MLX's CUDA quantized_matmul has no kernel
@@ -123,8 +123,6 @@ class AffineCache(GmlxCache):
     def _cuda_long_block(queries: mx.array) -> bool:
         """True for more than 4 query tokens on MLX's CUDA backend, whose quantized_matmul serves only
         matrix-vector shapes there (mlx 0.32.4 on an H200)."""
-        from ..kernels import active_backend
-
         return queries.shape[2] > 4 and active_backend() == "cuda"
 
     def _quantized_attention(self, q: mx.array, qk: list[mx.array], qv: list[mx.array], scale: float,
@@ -183,6 +181,10 @@ class AffineCache(GmlxCache):
         self.offset = offset
         if keys is None:
             return
+        packed = isinstance(keys, (list, tuple))  # codes as uint32 words of 32 / bits values each
+        first_k, first_v = (x[0] if packed else x for x in (keys, values))
+        dk, dv = (x.shape[3] * 32 // bits if packed else x.shape[3] for x in (first_k, first_v))
+        self._shape = (first_k.shape[0], first_k.shape[1], dk, dv)
         if isinstance(keys, (list, tuple)):
             self.packed = [[GrowingBuffer(p.dtype) for p in keys] for _ in range(2)]
             for bufs, parts in zip(self.packed, (keys, values)):

@@ -32,7 +32,7 @@ def scaled_dot_product_attention(
     """mlx-lm's attention entry point, routed to the cache's own `attend` when it can."""
     attend = getattr(cache, "attend", None)
     if attend is not None and sinks is None and cache.fetched(keys, values):
-        return attend(queries, scale=scale, mask=mask)
+        return attend(queries, keys, values, scale=scale, mask=mask)
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -1,16 +1,31 @@
-"""What the three gmlx_lab caches share: mlx-lm's cache contract and a region breakdown.
+"""What the gmlx_lab caches share: mlx-lm's cache contract, the checks on what arrives, and a region breakdown.
 
-Each cache duck-types mlx-lm's `KVCache`: `offset`, `update_and_fetch`,
-`state` (arrays plus scalars, so `save_prompt_cache`/`load_prompt_cache`
-round-trip it), `nbytes`, `is_trimmable`/`trim`, `make_mask`, `empty`, `size`.
+Each cache duck-types mlx-lm's `KVCache`: `offset`, `update_and_fetch`, `state` (arrays plus
+scalars, so `save_prompt_cache`/`load_prompt_cache` round-trip it), `nbytes`, `is_trimmable`/`trim`,
+`make_mask`, `empty`, `size`; `copy.deepcopy` gives an independent cache.
+
+Every update is checked when it arrives: 4-d float K/V, at least one token, the batch, head count and
+head dims of the first update. Non-finite K/V (inf, nan) are one policy for every scheme: each update's
+finiteness is computed with the step (`mx.depends` ties it to the stored data, so it never costs a host
+sync) and read two updates later, or at once by `check_finite()`; the error names the layer and the
+tokens. `GmlxCache.check_finite_on = False` (or GMLX_CHECK_FINITE=0 in the environment) skips it for
+speed runs; benchmarks/model_decode.py measures what it costs.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import weakref
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from ..kernels import active_backend
+
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+CHECK_FINITE_ENV = "GMLX_CHECK_FINITE"
 
 
 def array_bytes(*arrays: Any) -> int:
@@ -22,41 +37,86 @@ class GmlxCache(_BaseCache):
     """Base of the gmlx_lab caches: the parts of the contract that do not depend on storage."""
 
     scheme = "?"
-
-    def __init__(self, layer: int | None = None):
-        self.offset = 0
-        self.layer = layer
-        self._fetched: tuple[Any, Any] = (None, None)
-
-    def where(self) -> str:
-        """A prefix for error messages naming the layer."""
-        return f"layer {self.layer}" if self.layer is not None else "cache"
-
-    def fetched(self, keys: Any, values: Any) -> bool:
-        """True when keys/values are the very arrays the last update_and_fetch returned."""
-        return keys is self._fetched[0] and values is self._fetched[1]
-
-    def _return(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self._fetched = (keys, values)
-        return keys, values
-
-    def check_input(self, keys: mx.array, values: mx.array) -> None:
-        """Reject K/V whose shapes cannot belong to this cache."""
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"{self.where()}: keys/values must be (batch, kv_heads, tokens, head_dim) with "
-                f"matching first three axes; got {tuple(keys.shape)} and {tuple(values.shape)}"
-            )
-
+    # the finiteness check of arriving K/V (see the module docstring)
+    check_finite_on = os.environ.get(CHECK_FINITE_ENV, "1") != "0"
     # "auto": fused GPU kernels on a GPU backend, the pure-MLX reference on the CPU; "reference" forces the
     # reference; "fused" demands the kernels (an error on the CPU); "emulated" runs their algorithm in pure MLX.
     attention_path = "auto"
     ATTENTION_PATHS = ("auto", "reference", "fused", "emulated")
 
+    def __init__(self, layer: int | None = None):
+        self.offset = 0
+        self.layer = layer
+        self._fetched: tuple[weakref.ref, weakref.ref] | None = None
+        self._shape: tuple[int, int, int, int] | None = None  # batch, kv heads, k dim, v dim
+        self._flags: list[tuple[int, int, mx.array]] = []  # (first token, end, all finite) not yet read
+
+    def where(self) -> str:
+        """A prefix for error messages naming the layer."""
+        return f"layer {self.layer}" if self.layer is not None else "cache"
+
+    # -- what arrives -----------------------------------------------------------------------------
+    def arrive(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Check one update's K/V (B, heads, tokens, dim) and start its finiteness check.
+
+        Returns keys and values to store (the same values, tied to the check when it is on).
+        """
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError(f"{self.where()}: keys and values must be mx.array, got "
+                            f"{type(keys).__name__} and {type(values).__name__}")
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"{self.where()}: keys/values must be (batch, kv_heads, tokens, head_dim) with matching first "
+                f"three axes; got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        for name, x in (("keys", keys), ("values", values)):
+            if x.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{self.where()}: {name} have dtype {x.dtype}; accepted: float16, bfloat16, "
+                                "float32 (a K/V cache stores attention keys and values)")
+        if keys.shape[2] == 0:
+            raise ValueError(f"{self.where()}: an update with 0 tokens; update_and_fetch needs at least one")
+        shape = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        if self._shape is None:
+            self._shape = shape
+        elif shape != self._shape:
+            names = ("batch", "kv heads", "key head_dim", "value head_dim")
+            diff = ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, self._shape, shape) if a != b)
+            raise ValueError(f"{self.where()}: K/V shape changed between updates ({diff}); a cache holds one "
+                             "request's K/V: make a new cache for another shape")
+        if not self.check_finite_on:
+            return keys, values
+        self.check_finite(keep_last=1)
+        finite = mx.logical_and(mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values)))
+        self._flags.append((self.offset, self.offset + keys.shape[2], finite))
+        keys = mx.depends(keys, finite)  # computed with the step, so reading it later never waits
+        return keys, values
+
+    def check_finite(self, keep_last: int = 0) -> None:
+        """Raise if K/V that arrived held inf or nan; the newest `keep_last` updates are left for later."""
+        ready = self._flags[: max(0, len(self._flags) - keep_last)]
+        self._flags = self._flags[len(ready):]
+        for first, end, finite in ready:
+            if not finite.item():
+                self._flags = []
+                raise ValueError(
+                    f"{self.where()}: non-finite keys or values (inf or nan) arrived in tokens {first}..{end - 1}; "
+                    "accepted: finite K/V (check the model's inputs and dtype)"
+                )
+
+    # -- the attention seam -----------------------------------------------------------------------
+    def fetched(self, keys: Any, values: Any) -> bool:
+        """True when keys/values are the very arrays the last update_and_fetch returned."""
+        if self._fetched is None:
+            return False
+        return keys is self._fetched[0]() and values is self._fetched[1]()
+
+    def _return(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # weak references: the cache must not keep a (possibly evaluated, decoded) copy alive
+        self._fetched = (weakref.ref(keys), weakref.ref(values))
+        return keys, values
+
     def kernel_route(self, supported: bool) -> str | None:
         """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path."""
-        from ..kernels import active_backend
-
         path = self.attention_path
         if path not in self.ATTENTION_PATHS:
             raise ValueError(f"{self.where()}: attention_path={path!r}; accepted: {', '.join(self.ATTENTION_PATHS)}")
@@ -66,6 +126,7 @@ class GmlxCache(_BaseCache):
             return "emulated"
         return "fused" if path == "fused" or active_backend() != "cpu" else None
 
+    # -- contract ---------------------------------------------------------------------------------
     def size(self) -> int:
         return self.offset
 
@@ -88,9 +149,18 @@ class GmlxCache(_BaseCache):
 
     def check_trim(self, n: int, limit: int, why: str) -> int:
         """Validate a trim request of n tokens against what can be rolled back."""
-        if not isinstance(n, int) or n < 0:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{self.where()}: trim(n) needs an int n >= 0, got {n!r}")
         n = min(n, self.offset)
         if n > limit:
             raise ValueError(f"{self.where()}: cannot trim {n} tokens, only {limit} can be rolled back ({why})")
         return n
+
+    def __deepcopy__(self, memo: dict) -> GmlxCache:
+        """An independent copy: MLX arrays are values (an update makes new ones), so the copy may share them."""
+        new = type(self).from_state(copy.copy(self.state))
+        for name in ("attention_path", "check_finite_on"):
+            if name in self.__dict__:
+                setattr(new, name, self.__dict__[name])
+        new._flags = list(self._flags)
+        return new

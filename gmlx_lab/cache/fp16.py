@@ -14,14 +14,14 @@ STORE_DTYPE = mx.float16
 class GrowingBuffer:
     """A (batch, heads, tokens, dim) buffer that grows in steps of 256 tokens, like mlx-lm's KVCache.
 
-    Growing in steps keeps decode from copying the whole cache every token; the
-    unused capacity is resident memory too, and `regions()` reports it as "reserve".
+    Growing in steps keeps decode from copying the whole cache every token (a write is an in-place
+    slice update); the unused capacity is resident memory too, and `regions()` reports it as "reserve".
     """
 
     step = 256
 
-    def __init__(self, dtype: mx.Dtype):
-        self.data: mx.array | None = None
+    def __init__(self, dtype: mx.Dtype, data: mx.array | None = None):
+        self.data = data
         self.dtype = dtype
 
     def write(self, start: int, x: mx.array) -> None:
@@ -30,15 +30,22 @@ class GrowingBuffer:
         if self.data is None or end > self.data.shape[2]:
             grow = (x.shape[2] + self.step - 1) // self.step * self.step
             fresh = mx.zeros((*x.shape[:2], grow, x.shape[3]), self.dtype)
-            kept = None if self.data is None else self.data[..., :start, :]
-            self.data = fresh if kept is None else mx.concatenate([kept, fresh], axis=2)
-        self.data[..., start:end, :] = x.astype(self.dtype)
+            self.data = fresh if self.data is None else mx.concatenate([self.data[..., :start, :], fresh], axis=2)
+        self.data[..., start:end, :] = x if x.dtype == self.dtype else x.astype(self.dtype)
 
     def view(self, end: int) -> mx.array:
+        """The first `end` tokens."""
         return self.data if end == self.data.shape[2] else self.data[..., :end, :]
+
+    def drop_front(self, n: int, end: int) -> None:
+        """Forget tokens [0, n) of the `end` held: the rest move to the front (one copy)."""
+        self.data = mx.contiguous(self.data[..., n:end, :]) if end > n else None
 
     def capacity(self) -> int:
         return 0 if self.data is None else self.data.shape[2]
+
+    def __deepcopy__(self, memo: dict) -> GrowingBuffer:
+        return GrowingBuffer(self.dtype, self.data)
 
 
 class FP16Cache(GmlxCache):
@@ -52,12 +59,15 @@ class FP16Cache(GmlxCache):
         self.values = GrowingBuffer(STORE_DTYPE)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.check_input(keys, values)
-        self.keys.write(self.offset, keys)
-        self.values.write(self.offset, values)
+        keys, values = self.arrive(keys, values)
+        prev = self.offset
         self.offset += keys.shape[2]
+        self.keys.write(prev, keys)
+        self.values.write(prev, values)
         k, v = self.keys.view(self.offset), self.values.view(self.offset)
-        return self._return(k.astype(keys.dtype), v.astype(values.dtype))
+        if k.dtype != keys.dtype:
+            k, v = k.astype(keys.dtype), v.astype(values.dtype)
+        return self._return(k, v)
 
     def trim(self, n: int) -> int:
         n = self.check_trim(n, self.offset, "")
@@ -65,11 +75,9 @@ class FP16Cache(GmlxCache):
         return n
 
     def regions(self) -> dict[str, int]:
-        used = 0
-        if self.keys.data is not None:
-            per_token = (self.keys.data.nbytes + self.values.data.nbytes) // self.keys.capacity()
-            used = per_token * self.offset
         total = array_bytes(self.keys.data, self.values.data)
+        cap = self.keys.capacity()
+        used = total * self.offset // cap if cap else 0
         return {"tokens": used, "reserve": total - used}
 
     @property
@@ -80,7 +88,9 @@ class FP16Cache(GmlxCache):
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        keys, values, self.offset, self.layer = v
-        self._fetched = (None, None)
-        self.keys, self.values = GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE)
+        keys, values, offset, layer = v
+        self.__init__(layer)
+        self.offset = offset
         self.keys.data, self.values.data = keys, values
+        if keys is not None:
+            self._shape = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])

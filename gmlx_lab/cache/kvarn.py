@@ -1,22 +1,21 @@
-"""The kvarn cache: Hadamard-rotated heads, an fp16 sink and tail, and variance-normalized records.
+"""The kvarn cache: an fp16 sink and tail around a body of Hadamard-rotated, variance-normalized records.
 
-A layer's tokens live in four regions, oldest first:
-  sink   the first 128 tokens, fp16, never quantized (attention sinks);
-  body   sealed records (see `records.py`), 128 tokens each;
-  live   fp16 tokens that have left the tail but whose group of 128 is not yet complete;
-  tail   the newest `kv_tail_tokens` tokens, fp16.
-A token is sealed once it has left the tail and its group of 128 is complete.
-Everything is stored rotated (K and V of each head times the normalized
-Walsh-Hadamard matrix H), so attention runs in rotated space: rotate the query,
-attend over sink + body + live + tail in one softmax, rotate the output back.
+A layer's tokens live in three stores, oldest first (`records.region_tokens` is the geometry):
+  sink    the first 128 tokens, fp16, never quantized (attention sinks);
+  body    sealed records (see `records.py`), 128 tokens each, in rotated space;
+  recent  fp16 tokens after the body: the live group and the newest `kv_tail_tokens` (the tail).
+Attention is one softmax over all three. Since the Hadamard rotation H is orthogonal, q . k is the same in
+either space: the fp16 stores keep the model's own K/V (an update is a plain write, as in mlx-lm's KVCache)
+and only records are rotated; their part of the output is rotated back (`kernels/decode.py`).
 
-Choices where the spec is silent: the sink and tail are stored rotated too
-(one space for all regions); a prompt chunk is stored, and sealed, before its
-own queries attend (as mlx-lm's and llama.cpp's quantized caches do), so a long
-prefill chunk sees its own sealed tokens quantized while decode sees exactly the
-state one token at a time would produce; K/V are checked for non-finite values
-when a record is sealed (checking every step would stall the pipeline); on a GPU
-the check of one seal is read at the next seal, so it never waits on the GPU.
+Sealing: when tokens arrive, every complete group of 128 recent tokens that has left the tail and is older
+than this update's tokens is rotated and encoded into records (K and V together, so they never disagree).
+So a prompt chunk attends to its own tokens exactly and to the stored form of what came before it (causal),
+and the tokens of the latest update can always be trimmed (speculative decoding) whatever the tail.
+`seal()` seals what is due now (memory reports use it); trimming past it is then refused.
+
+Choices where the spec is silent: records seal on the GPU with the `kvarn_seal` kernel and on the CPU with
+`records.encode_tokens` (the same steps); K/V are checked for non-finite values when they arrive (base.py).
 """
 
 from __future__ import annotations
@@ -25,27 +24,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..registry import KVARN_HEAD_DIMS
+from ..kernels import active_backend, kvarn_attend, kvarn_supported, seal_records, unpack_records
+from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
+from ..registry import KVARN_HEAD_DIMS, get_scheme
 from .base import GmlxCache, array_bytes
-from .fp16 import STORE_DTYPE
-from .records import TILE, Records, check_bits, decode_record, decode_tiles, encode_record, encode_tiles
+from .fp16 import STORE_DTYPE, GrowingBuffer
 
-__all__ = ["KVarNCache", "Records", "encode_record", "decode_record", "SINK_TOKENS"]
-
-SINK_TOKENS = 128
-_FIELDS = ("codes", "scale_axis", "zp_axis", "other_axis")
-
-
-def _cat(a: mx.array | None, b: mx.array, axis: int) -> mx.array:
-    return b if a is None else mx.concatenate([a, b], axis=axis)
-
-
-def _tokens(x: mx.array | None) -> int:
-    return 0 if x is None else x.shape[2]
+__all__ = ["KVarNCache", "SINK_TOKENS"]
 
 
 class KVarNCache(GmlxCache):
-    """kvarn: fp16 sink and tail around a body of bit-packed, variance-normalized records."""
+    """kvarn: fp16 sink and recent tokens around a body of bit-packed, variance-normalized records."""
 
     scheme = "kvarn"
 
@@ -58,193 +47,199 @@ class KVarNCache(GmlxCache):
         layer: int | None = None,
     ):
         super().__init__(layer)
-        for b in (k_bits, v_bits):
-            check_bits(b)
-        if not isinstance(kv_tail_tokens, int) or kv_tail_tokens < 0:
-            raise ValueError(f"{self.where()}: kv_tail_tokens={kv_tail_tokens!r}; accepted: an int >= 0")
+        get_scheme("kvarn").check(self.where(), k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens,
+                                  norm_iters=norm_iters)
         self.k_bits, self.v_bits = k_bits, v_bits
         self.kv_tail_tokens = kv_tail_tokens
         self.norm_iters = norm_iters
-        self.sink: list[mx.array | None] = [None, None]  # K, V: (B, H, <=128, D) fp16, rotated
-        self.body: list[dict[str, mx.array] | None] = [None, None]  # K, V record fields (B, H, R, S, ...)
-        self.recent: list[mx.array | None] = [None, None]  # K, V: live + tail, (B, H, n, D) fp16, rotated
-        self._unchecked: list[tuple[str, mx.array]] = []  # finiteness flags of sealed chunks not yet read
+        self.sink: KV | None = None  # K, V (B, H, <=128, D) fp16
+        self.body: KV | None = None  # K, V Records, fields (B, H, R, S, ...)
+        self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
+        self.recent_tokens = 0
+        self.newest = 0  # tokens of the latest update: never sealed before the next one arrives
+        self._prefix: KV | None = None  # the decoded sink + body for decode steps on a GPU (a graph)
 
     # -- geometry -------------------------------------------------------------------------
     @property
     def n_records(self) -> int:
         """Sealed records per (head, 128-channel slice)."""
-        return 0 if self.body[0] is None else self.body[0]["codes"].shape[2]
+        return 0 if self.body is None else self.body.k.count
 
     def region_tokens(self) -> dict[str, int]:
         """How many tokens each region holds now."""
-        recent = _tokens(self.recent[0])
-        tail = min(recent, self.kv_tail_tokens)
-        return {"sink": _tokens(self.sink[0]), "body": self.n_records * TILE, "live": recent - tail, "tail": tail}
+        tail = min(self.recent_tokens, self.kv_tail_tokens)
+        sink = 0 if self.sink is None else self.sink.k.shape[2]
+        return {"sink": sink, "body": self.n_records * TILE, "live": self.recent_tokens - tail, "tail": tail}
 
-    # -- storing ------------------------------------------------------------------------
-    def _check_head_dims(self, keys: mx.array, values: mx.array) -> None:
+    def parts(self) -> KvarnParts:
+        """The arrays the kernels read."""
+        recent = KV(self.recent.k.data, self.recent.v.data) if self.recent_tokens else None
+        return KvarnParts(self.sink, self.body, recent, self.recent_tokens)
+
+    # -- storing --------------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        keys, values = self.arrive(keys, values)
         for name, x in (("keys", keys), ("values", values)):
             if x.shape[-1] not in KVARN_HEAD_DIMS:
-                raise ValueError(
-                    f"{self.where()}: kvarn does not accept {name} head_dim {x.shape[-1]}; "
-                    f"accepted head dims: {', '.join(map(str, KVARN_HEAD_DIMS))}"
-                )
+                raise ValueError(f"{self.where()}: kvarn does not accept {name} head_dim {x.shape[-1]}; "
+                                 f"accepted head dims: {', '.join(map(str, KVARN_HEAD_DIMS))}")
+        n = keys.shape[2]
+        room = SINK_TOKENS - (0 if self.sink is None else self.sink.k.shape[2])
+        if room > 0:
+            head = KV(keys[..., :room, :].astype(STORE_DTYPE), values[..., :room, :].astype(STORE_DTYPE))
+            self.sink = head if self.sink is None else KV(*(mx.concatenate([a, b], axis=2)
+                                                            for a, b in zip(self.sink, head)))
+            keys, values = keys[..., room:, :], values[..., room:, :]
+        if keys.shape[2]:
+            self.recent.k.write(self.recent_tokens, keys)
+            self.recent.v.write(self.recent_tokens, values)
+            self.recent_tokens += keys.shape[2]
+        self.offset += n
+        self.newest = n
+        self._seal(self.due_groups())
+        return self._return(*self.fetch(keys.dtype, decode_step=n <= 4))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.check_input(keys, values)
-        self._check_head_dims(keys, values)
-        dtype = keys.dtype
-        for i, x in enumerate((keys, values)):
-            x = mx.hadamard_transform(x).astype(STORE_DTYPE)
-            room = SINK_TOKENS - _tokens(self.sink[i])
-            if room > 0:
-                self.sink[i] = _cat(self.sink[i], x[..., :room, :], axis=2)
-                x = x[..., room:, :]
-            if x.shape[2]:
-                self.recent[i] = _cat(self.recent[i], x, axis=2)
-        self.offset += keys.shape[2]
-        self._seal()
-        k, v = (mx.hadamard_transform(x) for x in self.rotated_kv(dtype))
-        return self._return(k, v)
+    def due_groups(self) -> int:
+        """Complete groups of 128 recent tokens that have left the tail and are older than the latest update."""
+        return max(0, min(self.recent_tokens - self.newest, self.recent_tokens - self.kv_tail_tokens)) // TILE
 
-    def _seal(self) -> None:
-        """Move every complete group of 128 that has left the tail into records.
+    def seal(self) -> int:
+        """Seal every complete group that has left the tail now, the latest update's tokens too; returns how many.
 
-        On a GPU backend (and attention_path != "reference") the `kvarn_seal` kernel encodes the records
-        in the same launch queue as decode, so sealing never waits on the CPU. On the CPU, `encode_tiles`.
+        Updates seal on their own; this is for reports of the resident bytes (the tokens it seals can no
+        longer be trimmed).
         """
-        n = (_tokens(self.recent[0]) - self.kv_tail_tokens) // TILE
-        if n <= 0:
+        n = max(0, self.recent_tokens - self.kv_tail_tokens) // TILE
+        self._seal(n)
+        self.newest = 0
+        return n
+
+    def _seal(self, groups: int) -> None:
+        """Rotate and encode the oldest `groups` groups of recent tokens into records (K and V both, or neither)."""
+        if groups <= 0:
             return
-        from ..kernels import active_backend, seal_records
-
-        on_gpu = self.attention_path != "reference" and active_backend() != "cpu"
-        self.check_finite()  # the previous seal's flags: computed by now, reading them does not stall
-        for i, (bits, kind) in enumerate(((self.k_bits, "k"), (self.v_bits, "v"))):
-            chunk = self.recent[i][..., : n * TILE, :]
-            self._unchecked.append((kind, mx.all(mx.isfinite(chunk))))
-            if on_gpu:
-                new = seal_records(chunk, bits, kind, self.norm_iters)
+        tokens = groups * TILE
+        new = []
+        for buf, bits, kind in ((self.recent.k, self.k_bits, "k"), (self.recent.v, self.v_bits, "v")):
+            chunk = mx.hadamard_transform(buf.data[..., :tokens, :])
+            if self.on_gpu():
+                new.append(seal_records(chunk, bits, kind, self.norm_iters))
             else:
-                self.check_finite()
-                new = encode_tiles(self._to_tiles(chunk, kind), bits, kind, self.norm_iters)
-            fields = {f: getattr(new, f) for f in _FIELDS}
-            old = self.body[i]
-            self.body[i] = fields if old is None else {f: mx.concatenate([old[f], fields[f]], axis=2) for f in _FIELDS}
-            # contiguous copies once per seal, so the fused kernels read them without a copy per decode step
-            self.recent[i] = mx.contiguous(self.recent[i][..., n * TILE :, :])
-            self.sink[i] = mx.contiguous(self.sink[i])
+                new.append(encode_tokens(chunk, bits, kind, self.norm_iters))
+        new = [Records(*r.arrays, bits=r.bits, kind=r.kind) for r in new]  # the imbalances are not stored
+        self.body = KV(*new) if self.body is None else KV(*(old.concat(r) for old, r in zip(self.body, new)))
+        for buf in self.recent:
+            buf.drop_front(tokens, self.recent_tokens)
+        self.recent_tokens -= tokens
+        self._prefix = None
 
-    def check_finite(self) -> None:
-        """Raise if K/V sealed since the last check held inf or nan (records would be garbage)."""
-        pending, self._unchecked = self._unchecked, []
-        for kind, finite in pending:
-            if not finite.item():
-                raise ValueError(
-                    f"{self.where()}: non-finite {'keys' if kind == 'k' else 'values'} (inf or nan) "
-                    f"in tokens being sealed; kvarn needs finite K/V"
-                )
-
-    @staticmethod
-    def _to_tiles(x: mx.array, kind: str) -> mx.array:
-        """(B, H, n*128, D) tokens to record tiles (B, H, n, D/128, rows, cols)."""
-        b, h, t, d = x.shape
-        tiles = x.reshape(b, h, t // TILE, TILE, d // TILE, TILE).transpose(0, 1, 2, 4, 3, 5)
-        return tiles.swapaxes(-1, -2) if kind == "k" else tiles
-
-    @staticmethod
-    def _from_tiles(tiles: mx.array, kind: str) -> mx.array:
-        """Inverse of `_to_tiles`."""
-        if kind == "k":
-            tiles = tiles.swapaxes(-1, -2)
-        b, h, n, s = tiles.shape[:4]
-        return tiles.transpose(0, 1, 2, 4, 3, 5).reshape(b, h, n * TILE, s * TILE)
+    def on_gpu(self) -> bool:
+        """Whether this cache seals and decodes with the GPU kernels (a GPU backend, not the reference path)."""
+        return self.attention_path != "reference" and active_backend() != "cpu"
 
     # -- reading -------------------------------------------------------------------------
-    def decoded_body(self, dtype: mx.Dtype = mx.float32) -> tuple[mx.array | None, mx.array | None]:
-        """The body's K and V decoded to (B, H, tokens, D), still rotated."""
-        out = []
-        for i, (bits, kind) in enumerate(((self.k_bits, "k"), (self.v_bits, "v"))):
-            body = self.body[i]
-            tiles = None if body is None else decode_tiles(*(body[f] for f in _FIELDS), bits, dtype)
-            out.append(None if tiles is None else self._from_tiles(tiles, kind))
-        return out[0], out[1]
+    def decoded_body(self, dtype: mx.Dtype = mx.float32) -> KV | None:
+        """The body's K and V decoded to (B, H, tokens, D) in the model's space (rotated back)."""
+        if self.body is None:
+            return None
+        decode = unpack_records if self.on_gpu() else decode_tokens
+        return KV(*(mx.hadamard_transform(decode(r, dtype)) for r in self.body))
 
-    def rotated_kv(self, dtype: mx.Dtype = mx.float32) -> tuple[mx.array, mx.array]:
-        """All tokens' K and V in rotated space: sink, decoded body, then live and tail."""
+    def fetch(self, dtype: mx.Dtype = mx.float32, decode_step: bool = False) -> KV:
+        """All tokens' K and V in the model's space: sink, decoded body, recent tokens.
+
+        For decode steps on a GPU the fused kernels never read these: the decoded sink + body are then
+        built as a graph once per seal and reused (evaluated only if the model reads the K/V itself, and
+        then kept until the next seal, which spares it a decode per step).
+        """
+        if decode_step and self.kernel_route(True) == "fused":
+            if self._prefix is None:
+                self._prefix = self._decoded_prefix(dtype)
+            prefix = self._prefix
+        else:
+            prefix = self._decoded_prefix(dtype)
+        parts = [prefix]
+        if self.recent_tokens:
+            parts.append(KV(self.recent.k.view(self.recent_tokens), self.recent.v.view(self.recent_tokens)))
+        return KV(*(mx.concatenate([p[i].astype(dtype) for p in parts], axis=2) if len(parts) > 1
+                    else parts[0][i].astype(dtype) for i in range(2)))
+
+    def _decoded_prefix(self, dtype: mx.Dtype) -> KV:
         body = self.decoded_body(dtype)
-        out = []
-        for i in range(2):
-            parts = [p.astype(dtype) for p in (self.sink[i], body[i], self.recent[i]) if p is not None]
-            out.append(mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0])
-        return out[0], out[1]
+        if body is None:
+            return self.sink
+        return KV(*(mx.concatenate([s.astype(dtype), b], axis=2) for s, b in zip(self.sink, body)))
 
-    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        """Rotate q, one softmax over every region, rotate the output back (fused kernels or reference)."""
-        from ..kernels import kvarn_attend, kvarn_supported
-
-        route = self.kernel_route(kvarn_supported(self, queries, mask))
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        """Attention over every region: the fused kernels on a GPU, else softmax over the fetched K/V."""
+        route = self.kernel_route(kvarn_supported(self.parts(), queries, mask))
         if route is not None:
-            return kvarn_attend(self, queries, scale, mask, emulate=route == "emulated")
-        q = mx.hadamard_transform(queries)
-        k, v = self.rotated_kv(q.dtype)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-        return mx.hadamard_transform(out)
+            return kvarn_attend(queries, scale, mask, self.parts(), emulate=route == "emulated")
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def record(self, kind: str, batch: int, head: int, index: int, slice_: int = 0) -> Records:
         """One sealed record as a `Records` (for notebooks and tests)."""
-        i = {"k": 0, "v": 1}[kind]
-        body = self.body[i]
-        if body is None or not 0 <= index < self.n_records:
+        if kind not in ("k", "v"):
+            raise ValueError(f"{self.where()}: record kind={kind!r}; accepted: 'k' or 'v'")
+        if self.body is None or not 0 <= index < self.n_records:
             raise IndexError(f"{self.where()}: record {index} does not exist ({self.n_records} sealed)")
-        fields = {f: body[f][batch, head, index, slice_] for f in _FIELDS}
-        return Records(**fields, bits=(self.k_bits, self.v_bits)[i], kind=kind)
+        return getattr(self.body, kind).take((batch, head, index, slice_))
 
     # -- contract ------------------------------------------------------------------------
     def trim(self, n: int) -> int:
-        """Roll back the newest n tokens (speculative decoding); only fp16 tokens can go.
+        """Roll back the newest n tokens (speculative decoding): the recent tokens, and the sink before any record.
 
-        Sealed records stay sealed: right after a trim the newest `kv_tail_tokens`
-        may include sealed tokens, until new tokens push the tail forward again.
+        The latest update's tokens are never sealed yet, so they can always go; sealed records cannot be
+        restored exactly and a trim into them is refused.
         """
-        recent = _tokens(self.recent[0])
-        fp16_tokens = recent if self.n_records else recent + _tokens(self.sink[0])
+        fp16_tokens = self.recent_tokens + (0 if self.body is not None or self.sink is None else self.sink.k.shape[2])
         n = self.check_trim(n, fp16_tokens, "tokens already sealed into records cannot be restored exactly")
-        from_recent = min(n, recent)
-        for i in range(2):
-            if from_recent:
-                self.recent[i] = self.recent[i][..., : recent - from_recent, :] if recent > from_recent else None
-            if n > from_recent:
-                keep = _tokens(self.sink[i]) - (n - from_recent)
-                self.sink[i] = self.sink[i][..., :keep, :] if keep else None
+        from_recent = min(n, self.recent_tokens)
+        self.recent_tokens -= from_recent
+        if n > from_recent:
+            keep = self.sink.k.shape[2] - (n - from_recent)
+            self.sink = KV(self.sink.k[..., :keep, :], self.sink.v[..., :keep, :]) if keep else None
         self.offset -= n
-        self._fetched = (None, None)
+        self.newest = max(0, self.newest - n)
+        self._fetched = None
+        self._prefix = None
         return n
 
     def regions(self) -> dict[str, int]:
         tokens = self.region_tokens()
-        recent_bytes = array_bytes(*self.recent)
-        per_token = recent_bytes // max(_tokens(self.recent[0]), 1)
-        bodies = [b for b in self.body if b is not None]
+        recent_bytes = array_bytes(self.recent.k.data, self.recent.v.data)
+        per_token = recent_bytes // max(self.recent.k.capacity(), 1)
+        bodies = () if self.body is None else tuple(self.body)
+        used = per_token * self.recent_tokens
         return {
-            "sink": array_bytes(*self.sink),
-            "record_codes": array_bytes(*(b["codes"] for b in bodies)),
-            "record_scales": array_bytes(*(b[f] for b in bodies for f in _FIELDS[1:])),
+            "sink": 0 if self.sink is None else array_bytes(*self.sink),
+            "record_codes": array_bytes(*(b.codes for b in bodies)),
+            "record_scales": array_bytes(*(a for b in bodies for a in b.arrays[1:])),
             "live": per_token * tokens["live"],
             "tail": per_token * tokens["tail"],
+            "reserve": recent_bytes - used,
         }
 
     @property
     def state(self) -> tuple[Any, ...]:
-        body = [None if b is None else tuple(b[f] for f in _FIELDS) for b in self.body]
-        meta = (self.offset, self.k_bits, self.v_bits, self.kv_tail_tokens, self.norm_iters, self.layer)
-        return (*self.sink, *body, *self.recent, *meta)
+        body = (None, None) if self.body is None else tuple(r.arrays for r in self.body)
+        sink = (None, None) if self.sink is None else tuple(self.sink)
+        recent = (None, None)
+        if self.recent_tokens:
+            recent = (self.recent.k.view(self.recent_tokens), self.recent.v.view(self.recent_tokens))
+        meta = (self.offset, self.k_bits, self.v_bits, self.kv_tail_tokens, self.norm_iters, self.layer, self.newest)
+        return (*sink, *body, *recent, *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer = v
+        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest = v
         self.__init__(k_bits, v_bits, tail, iters, layer)
-        self.offset = offset
-        self.sink, self.recent = [sk, sv], [rk, rv]
-        self.body = [None if b is None else dict(zip(_FIELDS, b)) for b in (bk, bv)]
+        self.offset, self.newest = offset, newest
+        if sk is not None:
+            self.sink = KV(sk, sv)
+            self._shape = (sk.shape[0], sk.shape[1], sk.shape[3], sv.shape[3])
+        if bk is not None:
+            self.body = KV(Records(*bk, bits=k_bits, kind="k"), Records(*bv, bits=v_bits, kind="v"))
+        if rk is not None:
+            self.recent = KV(GrowingBuffer(STORE_DTYPE, rk), GrowingBuffer(STORE_DTYPE, rv))
+            self.recent_tokens = rk.shape[2]

@@ -2,17 +2,19 @@
 
 - `kvarn_decode`: decode attention straight from kvarn records on the tensor cores (split-K, online softmax);
 - `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
-- `split_merge`: merges the splits by log-sum-exp and rotates the output back;
-- `kvarn_seal`: variance normalization, rounding and packing of records.
+- `split_merge`: merges the splits by log-sum-exp and rotates the records' share of the output back;
+- `kvarn_seal`: variance normalization, rounding and packing of records;
+- `kvarn_unpack`: records back to tokens (prefill attention, and K/V for models that read them).
+Kernels take arrays and the layout of `gmlx_lab/records.py`; they know no cache class.
 On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA sources on
 CPU threads there (`threads.py`, one thread per GPU lane).
 """
 
 from .build import active_backend, assemble
-from .decode import affine_attend, affine_supported, kvarn_attend, kvarn_supported, merge_splits
+from .decode import affine_attend, affine_supported, kvarn_attend, kvarn_supported, merge_splits, unpack_records
 from .seal import seal_records
 
-KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal")
+KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
 __all__ = ["KERNELS", "active_backend", "assemble", "affine_attend", "affine_supported", "kvarn_attend",
-           "kvarn_supported", "merge_splits", "seal_records"]
+           "kvarn_supported", "merge_splits", "seal_records", "unpack_records"]

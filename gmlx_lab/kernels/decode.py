@@ -8,12 +8,12 @@ log-sum-exp merge), so the CPU can check the kernels' math against the reference
 
 from __future__ import annotations
 
-from functools import cache
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 
-from ..cache.records import unpack_rows
+from ..records import KvarnParts, Records, unpack_rows
 from .build import launch
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
@@ -34,13 +34,13 @@ def ungroup(x: mx.array, b: int, hq: int, length: int) -> mx.array:
     return x.reshape(b, hq, length, *x.shape[2:])
 
 
-@cache
+@lru_cache(maxsize=4096)
 def int_params(*values: int) -> mx.array:
     """A small int32 parameter array, kept so decode steps do not build and upload a new one each call."""
     return mx.array(values, mx.int32)
 
 
-@cache
+@lru_cache(maxsize=64)
 def float_params(*values: float) -> mx.array:
     """A small float32 parameter array (the softmax scale), kept like `int_params`."""
     return mx.array(values, mx.float32)
@@ -63,25 +63,31 @@ def _is_pow2(n: int) -> bool:
 
 # -- merge --------------------------------------------------------------------------------
 def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dtype: mx.Dtype = mx.float32,
-                 emulate: bool = False) -> tuple[mx.array, mx.array]:
+                 emulate: bool = False, rotated_splits: int | None = None) -> tuple[mx.array, mx.array]:
     """Merge split partials (BH, NSPLIT, NQ, D) / (BH, NSPLIT, NQ) into one softmax: out (BH, NQ, D), lse.
 
-    rotate=True also applies the normalized Hadamard transform to the merged output (kvarn and rotated
-    affine caches attend in rotated space); the output has `dtype`.
+    rotate=True applies the normalized Hadamard transform to the part of the output that comes from the first
+    `rotated_splits` splits (all by default): kvarn's records and rotated affine caches attend in rotated
+    space, kvarn's fp16 tokens in the model's own. The output has `dtype`.
     """
     bh, nsplit, nq, d = part_o.shape
+    nrot = nsplit if rotated_splits is None else rotated_splits
     if emulate:
         big = part_lse.max(axis=1, keepdims=True)
         w = mx.where(part_lse == NEG_INF, 0.0, mx.exp(part_lse - big))
         den = w.sum(axis=1)
-        out = (w[..., None] * part_o).sum(axis=1) / mx.maximum(den, 1e-38)[..., None]
+        num = w[..., None] * part_o / mx.maximum(den, 1e-38)[:, None, :, None]
+        out = num.sum(axis=1)
+        if rotate:
+            out = mx.hadamard_transform(num[:, :nrot].sum(axis=1)) + num[:, nrot:].sum(axis=1)
         lse = mx.where(den > 0, big[:, 0] + mx.log(den), NEG_INF)
-        out = mx.hadamard_transform(out) if rotate else out
         return out.astype(dtype), lse
     fused_rotation = rotate and _is_pow2(d)
+    if rotate and not fused_rotation and nrot != nsplit:
+        raise ValueError(f"merge_splits: a head dim of {d} (not a power of two) can only rotate all splits")
     out, lse = launch(
         "split_merge",
-        {"part_o": part_o, "part_lse": part_lse, "params": int_params(nsplit)},
+        {"part_o": part_o, "part_lse": part_lse, "params": int_params(nsplit, nrot)},
         {"out": ((bh, nq, d), dtype), "lse": ((bh, nq), mx.float32)},
         grid=(d, nq, bh), threadgroup=(d, 1, 1),
         template={"D": d, "NQ": nq, "ROTATE": int(fused_rotation), "ODT": DTYPE_IDS[dtype]},
@@ -94,57 +100,57 @@ def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dty
 # -- kvarn ----------------------------------------------------------------------------------
 KVARN_WARPS = 4  # warps per kvarn_decode threadgroup; each walks its own run of units
 KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16 tensor-core products
+KVARN_HEAD_DIMS = (128, 256, 512)  # the fused kernel's head dims: whole 128-channel slices, a power of two
 # One wave of warps on an H200: 132 multiprocessors x 3 threadgroups of 4 warps (the kernel's 158 registers
 # per thread allow 3); more would leave a second, mostly idle wave.
 TARGET_WARPS = 132 * 12
 
 
-def _fp16_parts(cache: Any) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
-    """The sink's and the recent tokens' K, V (B, H, n, D) float16 (recent may be None)."""
-    return cache.sink[0], cache.sink[1], cache.recent[0], cache.recent[1]
+def kvarn_units(records: int, recent: int) -> tuple[int, int]:
+    """Units of kvarn decode work: (records, fp16 units = the sink and one per 128 recent tokens)."""
+    return records, 1 + -(-recent // 128)
 
 
-def kvarn_units(records: int, recent: int) -> int:
-    """Units of kvarn decode work: the body records, the fp16 sink, one per 128 recent tokens."""
-    return records + 1 + -(-recent // 128)
+def kvarn_splits(records: int, recent: int, groups: int, per_warp: int | None = None) -> tuple[int, int, int]:
+    """(units per warp, record splits, fp16 splits): a split (threadgroup) holds units of one kind only, so
+    its partial output is in one space (records rotated, fp16 tokens not); about TARGET_WARPS warps run."""
+    r, f = kvarn_units(records, recent)
+    per = per_warp or -(-(r + f) // -(-TARGET_WARPS // groups))
+    run = per * KVARN_WARPS
+    return per, -(-r // run), -(-f // run)
 
 
-def kvarn_partials(qg: mx.array, scale: float, cache: Any, length: int, causal: bool, per_warp: int | None = None,
-                   emulate: bool = False) -> tuple[mx.array, mx.array]:
-    """Per-split partial attention of grouped queries qg (BH, NQ, D) over a whole kvarn cache, which holds
-    rotated K/V: the queries are rotated first (inside the kernel when D is a power of two).
+def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, causal: bool,
+                   per_warp: int | None = None, emulate: bool = False) -> tuple[mx.array, mx.array, int]:
+    """Per-split partial attention of grouped queries qg (BH, NQ, D) over a kvarn layer's parts.
 
-    Units run in the order records, sink, recent tiles; each warp takes `per_warp` of them and a split
-    is one threadgroup's KVARN_WARPS runs. Returns part_o (BH, NSPLIT, NQ, D), part_lse (BH, NSPLIT, NQ).
+    Record splits come first and attend with the rotated queries (rotated inside the kernel), the fp16 splits
+    (sink, then 128-token tiles of recent tokens) with the queries as they are. Returns part_o
+    (BH, NSPLIT, NQ, D), part_lse (BH, NSPLIT, NQ) and the number of record (rotated) splits.
     """
     bh, nq, d = qg.shape
-    kbody, vbody = cache.body
-    r, s = kbody["codes"].shape[2:4]
+    kbody, vbody = parts.body
+    r, s = kbody.codes.shape[2:4]
     nchunk = -(-nq // KVARN_QN)
-    sk, sv, rk, rv = _fp16_parts(cache)
-    ns = sk.shape[2]
-    nr = 0 if rk is None else rk.shape[2]
-    units = kvarn_units(r, nr)
-    per = per_warp or -(-units // -(-TARGET_WARPS // (bh * nchunk)))
-    nsplit = -(-units // (per * KVARN_WARPS))
+    sk, sv = parts.sink
+    ns, nr = sk.shape[2], parts.recent_tokens
+    per, nsr, nsf = kvarn_splits(r, nr, bh * nchunk, per_warp)
     if emulate:
-        return _kvarn_emulated(mx.hadamard_transform(qg) * scale, cache, length, causal, per * KVARN_WARPS)
-    rotate_here = _is_pow2(d)
-    if not rotate_here:
-        qg = mx.hadamard_transform(qg)
-    if nr == 0:  # no recent tokens: a placeholder input the kernel never reads
-        rk = rv = mx.zeros((1,), mx.float16)
-    inputs = {"q": qg, "kc": kbody["codes"], "ks": kbody["scale_axis"], "kz": kbody["zp_axis"],
-              "ko": kbody["other_axis"], "vc": vbody["codes"], "vs": vbody["scale_axis"], "vz": vbody["zp_axis"],
-              "vo": vbody["other_axis"], "sk": sk, "sv": sv, "rk": rk, "rv": rv,
-              "params": int_params(r, per, ns, nr, int(causal), nsplit), "fparams": float_params(scale)}
-    return tuple(launch(
+        return (*_kvarn_emulated(qg * scale, parts, length, causal, per * KVARN_WARPS), nsr)
+    rk, rv = parts.recent if nr else (mx.zeros((1,), mx.float16),) * 2  # a placeholder the kernel never reads
+    cap = rk.shape[2] if nr else 0
+    inputs = {"q": qg, "kc": kbody.codes, "ks": kbody.scale_axis, "kz": kbody.zp_axis, "ko": kbody.other_axis,
+              "vc": vbody.codes, "vs": vbody.scale_axis, "vz": vbody.zp_axis, "vo": vbody.other_axis,
+              "sk": sk, "sv": sv, "rk": rk, "rv": rv,
+              "params": int_params(r, per, ns, nr, int(causal), nsr + nsf, nsr, cap), "fparams": float_params(scale)}
+    part_o, part_lse = launch(
         "kvarn_decode", inputs,
-        {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32)},
-        grid=(32 * KVARN_WARPS, nsplit, bh * nchunk), threadgroup=(32 * KVARN_WARPS, 1, 1),
-        template={"KB": cache.k_bits, "VB": cache.v_bits, "S": s, "NQ": nq, "NCHUNK": nchunk, "L": length,
-                  "WARPS": KVARN_WARPS, "ROTATE": int(rotate_here), "QDT": DTYPE_IDS[qg.dtype]},
-    ))
+        {"part_o": ((bh, nsr + nsf, nq, d), mx.float32), "part_lse": ((bh, nsr + nsf, nq), mx.float32)},
+        grid=(32 * KVARN_WARPS, nsr + nsf, bh * nchunk), threadgroup=(32 * KVARN_WARPS, 1, 1),
+        template={"KB": kbody.bits, "VB": vbody.bits, "S": s, "NQ": nq, "NCHUNK": nchunk, "L": length,
+                  "WARPS": KVARN_WARPS, "QDT": DTYPE_IDS[qg.dtype]},
+    )
+    return part_o, part_lse, nsr
 
 
 def _flat(field: mx.array) -> mx.array:
@@ -152,33 +158,33 @@ def _flat(field: mx.array) -> mx.array:
     return field.reshape(-1, *field.shape[2:])
 
 
-def _kvarn_emulated(qg: mx.array, cache: Any, length: int, causal: bool, run: int) -> tuple[mx.array, mx.array]:
-    """The kvarn_decode algorithm in MLX (float32): units in kernel order (records, sink, recent tiles), an
-    online softmax over each split's `run` units. A record's scores and values use the factored algebra
-    (qs = q * k_scale, qz = q * k_zero, ps = p * v_scale, pz = p * v_zero) on its codes."""
+def _kvarn_emulated(qg: mx.array, parts: KvarnParts, length: int, causal: bool, run: int
+                    ) -> tuple[mx.array, mx.array]:
+    """The kvarn_decode algorithm in MLX (float32): record splits then fp16 splits of `run` units each, an
+    online softmax per split. A record's scores and values use the factored algebra on its codes
+    (qs = q * k_scale, qz = q * k_zero, ps = p * v_scale, pz = p * v_zero) with the rotated queries."""
     bh, nq, d = qg.shape
-    kbody, vbody = cache.body
-    kc, ks, kz, ko = (_flat(kbody[f]) for f in ("codes", "scale_axis", "zp_axis", "other_axis"))
-    vc, vs, vz, vo = (_flat(vbody[f]) for f in ("codes", "scale_axis", "zp_axis", "other_axis"))
+    kbody, vbody = parts.body
+    kc, ks, kz, ko = (_flat(a) for a in kbody.arrays)
+    vc, vs, vz, vo = (_flat(a) for a in vbody.arrays)
     ks, kz, ko, vs, vz, vo = (x.astype(mx.float32) for x in (ks, kz, ko, vs, vz, vo))
     r, s = kc.shape[1:3]
-    qsl = qg.astype(mx.float32).reshape(bh, nq, s, 128)
     q32 = qg.astype(mx.float32)
-    # recent tokens may be absent (None) or empty (a seal took them all and the tail is 0)
-    sk, sv, rk, rv = (None if x is None or x.shape[2] == 0 else _flat(x).astype(mx.float32)
-                      for x in _fp16_parts(cache))
-    nr = 0 if rk is None else rk.shape[1]
+    qsl = mx.hadamard_transform(q32).reshape(bh, nq, s, 128)
+    nr = parts.recent_tokens
+    sk, sv = (_flat(x).astype(mx.float32) for x in parts.sink)
+    rk, rv = (_flat(x[..., :nr, :]).astype(mx.float32) for x in parts.recent) if nr else (None, None)
     qtok = mx.arange(nq) % length
 
     def record(rec: int) -> tuple[mx.array, Any]:
-        kq = unpack_rows(kc[:, rec], cache.k_bits).astype(mx.float32)  # (BH, S, 128 ch r, 128 tok c)
+        kq = unpack_rows(kc[:, rec], kbody.bits).astype(mx.float32)  # (BH, S, 128 ch r, 128 tok c)
         qs = qsl * ks[:, rec][:, None]  # q[r] * k_scale[r]
         qz = (qsl * kz[:, rec][:, None]).sum(axis=-1)  # sum_r q[r] * k_zero[r], per slice
         dot = mx.einsum("bjsr,bsrc->bjsc", qs, kq) + qz[..., None]
         score = (ko[:, rec][:, None] * dot).sum(axis=2)  # (BH, NQ, 128 tokens)
 
         def values(p: mx.array) -> mx.array:
-            vq = unpack_rows(vc[:, rec], cache.v_bits).astype(mx.float32)  # (BH, S, 128 tok t, 128 ch c)
+            vq = unpack_rows(vc[:, rec], vbody.bits).astype(mx.float32)  # (BH, S, 128 tok t, 128 ch c)
             ps = p[:, :, None, :] * vs[:, rec][:, None]  # p[t] * v_scale[t], per slice
             pz = (p[:, :, None, :] * vz[:, rec][:, None]).sum(axis=-1)
             vdot = mx.einsum("bjst,bstc->bjsc", ps, vq) + pz[..., None]
@@ -192,14 +198,17 @@ def _kvarn_emulated(qg: mx.array, cache: Any, length: int, causal: bool, run: in
             score = mx.where(hidden[None], NEG_INF, score)
         return score, lambda p: p @ v
 
-    units = [lambda i=i: record(i) for i in range(r)] + [lambda: fp16_tile(sk, sv, None)]
-    units += [lambda t0=t0: fp16_tile(rk[:, t0:t0 + 128], rv[:, t0:t0 + 128], t0) for t0 in range(0, nr, 128)]
+    record_units = [lambda i=i: record(i) for i in range(r)]
+    fp16_units = [lambda: fp16_tile(sk, sv, None)]
+    fp16_units += [lambda t0=t0: fp16_tile(rk[:, t0:t0 + 128], rv[:, t0:t0 + 128], t0) for t0 in range(0, nr, 128)]
+    runs = [record_units[i:i + run] for i in range(0, r, run)] + [fp16_units[i:i + run]
+                                                                  for i in range(0, len(fp16_units), run)]
     outs, lses = [], []
-    for first in range(0, len(units), run):
+    for units in runs:
         m = mx.full((bh, nq), NEG_INF)
         den = mx.zeros((bh, nq))
         acc = mx.zeros((bh, nq, d))
-        for unit in units[first:first + run]:
+        for unit in units:
             score, values = unit()
             m_new = mx.maximum(m, score.max(axis=-1))
             alpha = mx.where(m == NEG_INF, 0.0, mx.exp(m - m_new))
@@ -212,29 +221,44 @@ def _kvarn_emulated(qg: mx.array, cache: Any, length: int, causal: bool, run: in
     return mx.stack(outs, axis=1), mx.stack(lses, axis=1)
 
 
-def kvarn_attend(cache: Any, queries: mx.array, scale: float, mask: Any, emulate: bool = False) -> mx.array:
-    """Decode attention of a KVarNCache in two launches: one split-K kernel that rotates q and attends over
-    records, sink and recent tokens, and one merge kernel that also rotates the output back."""
-    q = queries
-    b, hq, length, d = q.shape
-    hkv = cache.sink[0].shape[1]
+def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, emulate: bool = False) -> mx.array:
+    """Decode attention over a kvarn layer in two launches: one split-K kernel over records (rotated queries),
+    sink and recent tokens, and one merge kernel that rotates the records' share of the output back."""
+    b, hq, length, d = queries.shape
+    hkv = parts.sink.k.shape[1]
     causal = isinstance(mask, str) and length > 1
-    part_o, part_lse = kvarn_partials(group_queries(q, hkv), scale, cache, length, causal, emulate=emulate)
-    out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, emulate=emulate)
+    part_o, part_lse, nrot = kvarn_partials(group_queries(queries, hkv), scale, parts, length, causal,
+                                            emulate=emulate)
+    out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, emulate=emulate, rotated_splits=nrot)
     return ungroup(out, b, hq, length)
 
 
-def kvarn_supported(cache: Any, queries: mx.array, mask: Any) -> bool:
-    """Whether the fused path applies: sealed records, 1..4 query tokens, no array mask, queries after the body."""
-    if cache.body[0] is None or cache.body[1] is None or not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS:
+def kvarn_supported(parts: KvarnParts, queries: mx.array, mask: Any) -> bool:
+    """Whether the fused path applies: sealed records, 1..4 query tokens, a head dim of 128/256/512, no array mask,
+    and every query token among the recent tokens."""
+    if parts.body is None or not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS or queries.dtype not in DTYPE_IDS:
         return False
-    if queries.dtype not in DTYPE_IDS:
+    if queries.shape[-1] not in KVARN_HEAD_DIMS:
         return False
     if mask is None:
         return True
-    recent = 0 if cache.recent[0] is None else cache.recent[0].shape[2]
     # a causal mask must not reach into the body: every query token has to sit in the recent part
-    return isinstance(mask, str) and mask == "causal" and recent >= queries.shape[2]
+    return isinstance(mask, str) and mask == "causal" and parts.recent_tokens >= queries.shape[2]
+
+
+def unpack_records(records: Records, dtype: mx.Dtype = mx.float16) -> mx.array:
+    """Records with fields (B, H, R, S, ...) decoded to rotated tokens (B, H, R*128, S*128) by the `kvarn_unpack`
+    kernel: what `records.decode_tokens` computes, in one launch (prefill attention and fetched K/V)."""
+    b, h, r, s = records.codes.shape[:4]
+    (out,) = launch(
+        "kvarn_unpack",
+        {"c": records.codes, "sa": records.scale_axis, "za": records.zp_axis, "oa": records.other_axis,
+         "params": int_params(r)},
+        {"out": ((b, h, r * 128, s * 128), dtype)},
+        grid=(128, r * s, b * h), threadgroup=(128, 1, 1),
+        template={"B": records.bits, "KIND_K": int(records.kind == "k"), "S": s, "ODT": DTYPE_IDS[dtype]},
+    )
+    return out
 
 
 # -- affine ---------------------------------------------------------------------------------
@@ -310,24 +334,26 @@ def _unpack_affine(words: mx.array, bits: int, d: int) -> mx.array:
     return (stream << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.float32)
 
 
-def affine_attend(cache: Any, queries: mx.array, scale: float, mask: Any, emulate: bool = False) -> mx.array:
-    """Decode attention of a quantized AffineCache: one split-K kernel over the codes, one merge kernel
-    (which also rotates the output back for a rotated cache); no dequantized copy."""
-    q = mx.hadamard_transform(queries) if cache.rotate else queries
+def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[mx.array]], tokens: int, bits: int,
+                  group_size: int, rotate: bool, emulate: bool = False) -> mx.array:
+    """Decode attention over affine codes: one split-K kernel, one merge kernel (which also rotates the output
+    back for a rotated cache); no dequantized copy. parts: K and V buffers [codes, scales, biases] of
+    (B, Hkv, CAP, ...) whose first `tokens` rows hold tokens."""
+    q = mx.hadamard_transform(queries) if rotate else queries
     b, hq, length, d = q.shape
-    kparts, vparts = ([buf.data for buf in bufs] for bufs in cache.packed)
+    kparts, vparts = parts
     hkv = kparts[0].shape[1]
     causal = isinstance(mask, str) and length > 1
-    part_o, part_lse = affine_partials(group_queries(q, hkv), scale, kparts, vparts, cache.offset, cache.k_bits,
-                                       cache.group_size, length, causal, emulate=emulate)
-    out, _ = merge_splits(part_o, part_lse, rotate=cache.rotate, dtype=queries.dtype, emulate=emulate)
+    part_o, part_lse = affine_partials(group_queries(q, hkv), scale, kparts, vparts, tokens, bits, group_size,
+                                       length, causal, emulate=emulate)
+    out, _ = merge_splits(part_o, part_lse, rotate=rotate, dtype=queries.dtype, emulate=emulate)
     return ungroup(out, b, hq, length)
 
 
-def affine_supported(cache: Any, queries: mx.array, mask: Any) -> bool:
-    """Whether the fused affine path applies: quantized, 1..4 query tokens, mask None or 'causal', and a head
-    dim whose 8-channel groups tile the 128 threads (32, 64, ..., 1024)."""
-    if not cache.quantized or not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS or queries.dtype not in DTYPE_IDS:
+def affine_supported(queries: mx.array, mask: Any) -> bool:
+    """Whether the fused affine path applies: 1..4 query tokens, mask None or 'causal', and a head dim whose
+    8-channel groups tile the 128 threads (32, 64, ..., 1024)."""
+    if not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS or queries.dtype not in DTYPE_IDS:
         return False
     d = queries.shape[-1]
     if d % 32 or d > 1024 or 128 % (d // 8):

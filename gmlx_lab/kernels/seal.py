@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache.records import AXIS_DTYPE, TILE, Records, check_bits, check_kind
+from ..records import AXIS_DTYPE, TILE, Records, check_bits, check_kind
 from .build import launch
 
 
 def seal_records(chunk: mx.array, bits: int, kind: str, iters: int = 16) -> Records:
     """Encode rotated tokens (B, H, n*128, D) into records with fields (B, H, n, D/128, ...).
 
-    Same steps as `encode_tiles(KVarNCache._to_tiles(chunk, kind), ...)`; float sums run in another
+    Same steps as `records.encode_tokens(chunk, ...)`; float sums run in another
     order, so a few codes may differ by one step (tests/test_kernels.py measures how many).
     """
     check_bits(bits)

@@ -8,6 +8,7 @@ figure with plotly.js embedded (never the CDN). A renderer you chose is kept.
 
 import plotly.io as _pio
 
+from ..records import record_bytes
 from .figures import (
     DECISION_COLORS,
     REGION_COLORS,
@@ -29,7 +30,7 @@ from .figures import (
     table_html,
 )
 from .quant import AffineRow, affine_row, hadamard, normalize_history, quant_error, record_of
-from .sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes, record_bytes
+from .sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from .sources import (
     GMLX_KL_TABLE,
     LLAMA_CPP_ROTATION_PPL,

@@ -13,9 +13,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..cache import records
-from ..kv_inspect import kvarn_region_tokens
+from .. import records
 from ..policy import Policy
+from ..records import region_tokens
 from .quant import AffineRow, hadamard
 
 DECISION_COLORS = {"fp16": "#9e9e9e", "affine": "#1f77b4", "affine_rot": "#17becf", "kvarn": "#ff7f0e"}
@@ -133,7 +133,7 @@ def code_histogram(rec: records.Records) -> go.Figure:
 
 def regions_bar(context: int, tail: int, title: str | None = None) -> go.Figure:
     """The kvarn cache as one bar of regions (sink | records | live | tail) after `context` tokens."""
-    r = kvarn_region_tokens(context, tail)
+    r = region_tokens(context, tail)
     fig = _fig(title=title or f"kvarn cache at {context} tokens, kv_tail_tokens={tail}: {r['body'] // 128} records",
                xaxis_title="token position", height=220, barmode="stack", showlegend=True,
                yaxis={"showticklabels": False})
@@ -147,7 +147,7 @@ def regions_bar(context: int, tail: int, title: str | None = None) -> go.Figure:
 def regions_stream(max_context: int, tail: int, step: int = 16) -> go.Figure:
     """Tokens per kvarn region as the context streams in, one token at a time (stacked areas)."""
     ctx = np.arange(0, max_context + 1, step)
-    rows = [kvarn_region_tokens(int(c), tail) for c in ctx]
+    rows = [region_tokens(int(c), tail) for c in ctx]
     fig = _fig(title=f"regions as tokens stream in (kv_tail_tokens={tail})", xaxis_title="tokens so far",
                yaxis_title="tokens in region", height=340)
     for name in ("sink", "body", "live", "tail"):

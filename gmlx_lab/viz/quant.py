@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..cache import records
+from .. import records
 
 __all__ = ["AffineRow", "affine_row", "hadamard", "quant_error", "normalize_history", "record_of"]
 

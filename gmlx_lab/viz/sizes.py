@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..kv_inspect import kvarn_region_tokens
 from ..policy import Policy, probe_layers
+from ..records import TILE, record_bytes, region_tokens
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,6 @@ def layer_shapes(policy: Policy) -> list[LayerShape]:
     return shapes
 
 
-def record_bytes(bits: int) -> int:
-    """Bytes of one kvarn record (128 x 128 codes plus three fp16 vectors of 128)."""
-    return 2048 * bits + 768
-
-
 def layer_bytes(shape: LayerShape, decision: str, context: int, options: dict[str, Any]) -> float:
     """Stored bytes of one layer's cache after `context` tokens under `decision`."""
     if shape.kind in ("recurrent", "other"):
@@ -59,10 +54,10 @@ def layer_bytes(shape: LayerShape, decision: str, context: int, options: dict[st
     if decision in ("affine", "affine_rot"):
         return shape.kv_heads * tokens * width * (options["bits"] / 8 + 4 / options["group_size"])
     if decision == "kvarn":
-        regions = kvarn_region_tokens(tokens, options["kv_tail_tokens"])
-        n_rec = regions["body"] // 128
-        body = n_rec * (shape.k_dim // 128 * record_bytes(options["k_bits"]) +
-                        shape.v_dim // 128 * record_bytes(options["v_bits"]))
+        regions = region_tokens(tokens, options["kv_tail_tokens"])
+        n_rec = regions["body"] // TILE
+        body = n_rec * (shape.k_dim // TILE * record_bytes(options["k_bits"]) +
+                        shape.v_dim // TILE * record_bytes(options["v_bits"]))
         fp16_tokens = tokens - regions["body"]
         return shape.kv_heads * (body + fp16_tokens * width * per_value_fp16)
     raise ValueError(f"unknown decision {decision!r}")

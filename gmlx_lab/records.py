@@ -1,4 +1,7 @@
-"""kvarn records: variance-normalized 128x128 tiles of K or V, rounded per row and bit-packed.
+"""The kvarn format: records (variance-normalized 128x128 tiles of K or V, bit-packed) and a cache's regions.
+
+This is the one home of kvarn's layout, read by the cache (`cache/kvarn.py`), the kernels
+(`kernels/`) and the figures: nothing here knows a cache class.
 
 A record holds one KV head's 128-channel slice of 128 consecutive tokens, already
 Hadamard-rotated. For K the tile's rows are channels, for V they are tokens. Two
@@ -8,22 +11,48 @@ asymmetrically to `bits`-bit codes. Storage: packed codes (2048*bits bytes) and
 three fp16 vectors of 128 (768 bytes); decoding is
 `T[r, c] = (q[r, c] * scale_axis[r] + zp_axis[r]) * other_axis[c]`.
 
-Every function works on a batch of tiles (..., 128, 128) at once.
+A kvarn cache layer holds, oldest first: the sink (the first 128 tokens, fp16), the body (sealed
+records) and the recent tokens (fp16: the live group and the tail). `region_tokens` is its geometry.
+Every encoding function works on a batch of tiles (..., 128, 128) at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..registry import KVARN_BITS
+from .registry import KVARN_BITS
 
 TILE = 128  # tokens per record, and channels per record slice
+SINK_TOKENS = 128  # the first tokens of a layer, kept fp16 (attention sinks)
 AXIS_DTYPE = mx.float16
 STD_CLAMP = (1e-3, 1e3)
 LOG_SCALE_CLIP = (-0.3, 10.0)
 IMBALANCE_EPS = 1e-8
+
+
+def record_bytes(bits: int) -> int:
+    """Bytes of one record: 128 x 128 codes of `bits` bits plus three fp16 vectors of 128."""
+    return TILE * TILE * bits // 8 + 3 * TILE * 2
+
+
+def region_tokens(context: int, kv_tail_tokens: int, newest: int = 1) -> dict[str, int]:
+    """Tokens in each region of a kvarn layer after `context` tokens, the last `newest` of them in one update.
+
+    The sink takes the first 128 tokens. A later token is sealed into a record once it has left the newest
+    `kv_tail_tokens`, its group of 128 is complete and a later update has arrived (the tokens of the latest
+    update stay fp16, so they can be trimmed, and a prompt chunk attends to its own tokens exactly). Token by
+    token (newest=1) with a tail of at least one token, that is as soon as the group leaves the tail.
+    "live" is the fp16 tokens between the body and the tail.
+    """
+    sink = min(context, SINK_TOKENS)
+    recent = context - sink
+    sealed = max(0, min(recent - newest, recent - kv_tail_tokens)) // TILE * TILE
+    recent -= sealed
+    tail = min(recent, kv_tail_tokens)
+    return {"sink": sink, "body": sealed, "live": recent - tail, "tail": tail}
 
 
 def words_per_row(bits: int) -> int:
@@ -128,7 +157,54 @@ class Records:
     @property
     def nbytes(self) -> int:
         """Stored bytes: packed codes plus the three fp16 axis vectors."""
-        return self.codes.nbytes + self.scale_axis.nbytes + self.zp_axis.nbytes + self.other_axis.nbytes
+        return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def arrays(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The stored arrays: codes, scale_axis, zp_axis, other_axis."""
+        return self.codes, self.scale_axis, self.zp_axis, self.other_axis
+
+    @property
+    def count(self) -> int:
+        """Records along axis 2 of a cache body (B, H, R, S, ...)."""
+        return self.codes.shape[2]
+
+    def concat(self, later: Records) -> Records:
+        """These records followed by `later` along the record axis (2) of a cache body."""
+        parts = [mx.concatenate([a, b], axis=2) for a, b in zip(self.arrays, later.arrays)]
+        return Records(*parts, bits=self.bits, kind=self.kind)
+
+    def take(self, index: tuple) -> Records:
+        """The records at `index` of every field (e.g. one head's record), without the imbalances."""
+        return replace(self, codes=self.codes[index], scale_axis=self.scale_axis[index],
+                       zp_axis=self.zp_axis[index], other_axis=self.other_axis[index],
+                       imbalance_before=None, imbalance_after=None)
+
+
+class KV(NamedTuple):
+    """A key and a value of anything (arrays, records, buffers): named fields instead of [K, V] lists."""
+
+    k: Any
+    v: Any
+
+
+@dataclass
+class KvarnParts:
+    """A kvarn layer's arrays as the kernels read them: the format, not a cache class.
+
+    sink: K, V (B, H, NS, D) fp16; body: K, V records with fields (B, H, R, S, ...), or None;
+    recent: K, V (B, H, CAP, D) fp16 buffers whose first `recent_tokens` rows hold tokens, or None.
+    The sink and recent tokens are in the model's space, the records in rotated space.
+    """
+
+    sink: KV  # of arrays
+    body: KV | None  # of Records
+    recent: KV | None  # of arrays
+    recent_tokens: int
+
+    @property
+    def bits(self) -> KV:
+        return KV(self.body.k.bits, self.body.v.bits) if self.body is not None else KV(0, 0)
 
 
 def check_bits(bits: int) -> None:
@@ -169,6 +245,31 @@ def decode_tiles(codes: mx.array, scale_axis: mx.array, zp_axis: mx.array, other
     q = unpack_rows(codes, bits).astype(dtype)
     rows = q * scale_axis[..., None].astype(dtype) + zp_axis[..., None].astype(dtype)
     return rows * other_axis[..., None, :].astype(dtype)
+
+
+def to_tiles(x: mx.array, kind: str) -> mx.array:
+    """Tokens (B, H, n*128, D) to record tiles (B, H, n, D/128, rows, cols) oriented for `kind`."""
+    b, h, t, d = x.shape
+    tiles = x.reshape(b, h, t // TILE, TILE, d // TILE, TILE).transpose(0, 1, 2, 4, 3, 5)
+    return tiles.swapaxes(-1, -2) if kind == "k" else tiles
+
+
+def from_tiles(tiles: mx.array, kind: str) -> mx.array:
+    """Inverse of `to_tiles`: tiles (B, H, n, S, rows, cols) back to tokens (B, H, n*128, S*128)."""
+    if kind == "k":
+        tiles = tiles.swapaxes(-1, -2)
+    b, h, n, s = tiles.shape[:4]
+    return tiles.transpose(0, 1, 2, 4, 3, 5).reshape(b, h, n * TILE, s * TILE)
+
+
+def encode_tokens(x: mx.array, bits: int, kind: str, iters: int = 16) -> Records:
+    """Encode rotated tokens (B, H, n*128, D) as records with fields (B, H, n, D/128, ...)."""
+    return encode_tiles(to_tiles(x, kind), bits, kind, iters)
+
+
+def decode_tokens(records: Records, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """Records with fields (B, H, n, S, ...) back to rotated tokens (B, H, n*128, S*128)."""
+    return from_tiles(decode_tiles(*records.arrays, records.bits, dtype), records.kind)
 
 
 def encode_record(block: mx.array, bits: int, kind: str, iters: int = 16) -> Records:
