@@ -19,7 +19,9 @@ For each context and scheme, with a fresh cache:
 Schemes: `mlx_lm_fp16` (mlx-lm's `KVCache`), `mlx_lm_affine8`/`mlx_lm_affine4` (mlx-lm's `QuantizedKVCache`,
 group 64; a failure, e.g. its CUDA prefill, is recorded in the row), and any gmlx_lab scheme spec (`fp16`,
 `affine8`, `kvarn6`, `kvarn4:tail=128`, ...; registry defaults otherwise). Ratios are to `mlx_lm_fp16` of the
-same context and weights. A short warm-up per scheme (compiles the kernels) is not reported.
+same context and weights. A short warm-up per scheme (compiles the kernels) is not reported. `--unchecked`
+adds rows (scheme name + "_unchecked") with the caches' finiteness check of arriving K/V switched off, so its
+cost is measured side by side.
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -50,6 +52,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from gmlx_lab import make_cache
+from gmlx_lab.cache import GmlxCache
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.fidelity import parse_scheme_spec, scheme_label
 from gmlx_lab.kernels import active_backend
@@ -92,7 +95,13 @@ def context_tokens(tokenizer: Any, model: nn.Module, n: int, source: str, seed: 
 
 
 def new_cache(model: nn.Module, spec: str) -> tuple[Any, str]:
-    """(prompt cache, label) for an mlx-lm scheme name or a gmlx_lab scheme spec."""
+    """(prompt cache, label) for an mlx-lm scheme name or a gmlx_lab scheme spec (+ "_unchecked")."""
+    if spec.endswith("_unchecked"):
+        cache, label = new_cache(model, spec.removesuffix("_unchecked"))
+        for c in cache:
+            if isinstance(c, GmlxCache):
+                c.check_finite_on = False
+        return cache, label + ", finiteness check off"
     if spec in MLX_LM_SCHEMES:
         bits = MLX_LM_SCHEMES[spec]
         if bits is None:
@@ -171,7 +180,11 @@ def run_scheme(model: nn.Module, spec: str, tokens: mx.array, args: argparse.Nam
         return row
     row["cache_bytes"] = cache_bytes(cache)
     n_decode = args.decode if report else 4
-    intervals, out = decode(model, cache, first, n_decode)
+    try:
+        intervals, out = decode(model, cache, first, n_decode)
+    except Exception as err:  # noqa: BLE001
+        row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
+        return row
     builds, evals = build_times(model, cache, out[-1], args.build_steps if report else 2)
     mean, median = statistics.mean(intervals), statistics.median(intervals)
     build = statistics.median(builds)
@@ -229,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-steps", type=int, default=16)
     parser.add_argument("--prefill-step", type=int, default=2048)
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many decode tokens per row")
+    parser.add_argument("--unchecked", default="", help="schemes to run again with the finiteness check off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/model_decode-cpu.json")
     args = parser.parse_args(argv)
@@ -245,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         source = "text"
     specs = scheme_list(args.schemes or DEFAULT_SCHEMES["cpu" if active_backend() == "cpu" else "gpu"],
                         extra=tuple(MLX_LM_SCHEMES))
+    specs += [f"{s}_unchecked" for s in (scheme_list(args.unchecked) if args.unchecked else [])]
     rows: list[dict[str, Any]] = []
     warm = context_tokens(tokenizer, model, 2048 + 1024 + 256, source, args.seed + 1)
     for spec in specs:

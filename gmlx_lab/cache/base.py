@@ -5,11 +5,14 @@ scalars, so `save_prompt_cache`/`load_prompt_cache` round-trip it), `nbytes`, `i
 `make_mask`, `empty`, `size`; `copy.deepcopy` gives an independent cache.
 
 Every update is checked when it arrives: 4-d float K/V, at least one token, the batch, head count and
-head dims of the first update. Non-finite K/V (inf, nan) are one policy for every scheme: each update's
-finiteness is computed with the step (`mx.depends` ties it to the stored data, so it never costs a host
-sync) and read two updates later, or at once by `check_finite()`; the error names the layer and the
-tokens. `GmlxCache.check_finite_on = False` (or GMLX_CHECK_FINITE=0 in the environment) skips it for
-speed runs; benchmarks/model_decode.py measures what it costs.
+head dims of the first update. Non-finite K/V (inf, nan) are one policy for every scheme: the arriving
+K/V are checked in batches of at least FINITE_BATCH tokens (a prompt chunk at once, decode tokens 32 at a
+time), computed with the step that completes the batch (`mx.depends` ties the flag to the stored data,
+so reading it never waits on the GPU) and read when the next batch forms, or at once by `check_finite()`;
+the error names the layer and the tokens. Batching keeps the check to a few operations per 32 decode
+tokens: checked one by one it costs several kernel launches per layer and token.
+`GmlxCache.check_finite_on = False` (or GMLX_CHECK_FINITE=0 in the environment) skips it for speed runs;
+benchmarks/model_decode.py measures what it costs.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..kernels import active_backend
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 CHECK_FINITE_ENV = "GMLX_CHECK_FINITE"
+FINITE_BATCH = 32  # tokens whose finiteness is checked together
 
 
 def array_bytes(*arrays: Any) -> int:
@@ -49,6 +53,7 @@ class GmlxCache(_BaseCache):
         self.layer = layer
         self._fetched: tuple[weakref.ref, weakref.ref] | None = None
         self._shape: tuple[int, int, int, int] | None = None  # batch, kv heads, k dim, v dim
+        self._unchecked: list[tuple[mx.array, mx.array]] = []  # arrived K/V not yet in a finiteness batch
         self._flags: list[tuple[int, int, mx.array]] = []  # (first token, end, all finite) not yet read
 
     def where(self) -> str:
@@ -85,14 +90,26 @@ class GmlxCache(_BaseCache):
                              "request's K/V: make a new cache for another shape")
         if not self.check_finite_on:
             return keys, values
-        self.check_finite(keep_last=1)
-        finite = mx.logical_and(mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values)))
-        self._flags.append((self.offset, self.offset + keys.shape[2], finite))
-        keys = mx.depends(keys, finite)  # computed with the step, so reading it later never waits
-        return keys, values
+        self._unchecked.append((keys, values))
+        if sum(k.shape[2] for k, _ in self._unchecked) < FINITE_BATCH:
+            return keys, values
+        self.check_finite(keep_last=1)  # the previous batch's flag: computed by now
+        # the flag joins this step's graph, so it is computed with the step and reading it never waits
+        return mx.depends(keys, self._batch_flag(self.offset + keys.shape[2])), values
+
+    def _batch_flag(self, end: int) -> mx.array:
+        """One flag for the K/V that arrived since the last batch, tokens up to `end`."""
+        ks, vs = zip(*self._unchecked)
+        self._unchecked = []
+        k, v = (mx.concatenate(xs, axis=2) if len(xs) > 1 else xs[0] for xs in (ks, vs))
+        finite = mx.logical_and(mx.all(mx.isfinite(k)), mx.all(mx.isfinite(v)))
+        self._flags.append((end - k.shape[2], end, finite))
+        return finite
 
     def check_finite(self, keep_last: int = 0) -> None:
-        """Raise if K/V that arrived held inf or nan; the newest `keep_last` updates are left for later."""
+        """Raise if K/V that arrived held inf or nan; the newest `keep_last` batches are left for later."""
+        if keep_last == 0 and self._unchecked:
+            self._batch_flag(self.offset)
         ready = self._flags[: max(0, len(self._flags) - keep_last)]
         self._flags = self._flags[len(ready):]
         for first, end, finite in ready:
@@ -162,5 +179,5 @@ class GmlxCache(_BaseCache):
         for name in ("attention_path", "check_finite_on"):
             if name in self.__dict__:
                 setattr(new, name, self.__dict__[name])
-        new._flags = list(self._flags)
+        new._flags, new._unchecked = list(self._flags), list(self._unchecked)
         return new

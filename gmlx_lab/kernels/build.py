@@ -11,6 +11,7 @@ On the CPU there is no kernel: callers use the pure-MLX reference.
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -63,9 +64,16 @@ def assemble(name: str, backend: str) -> tuple[str, str]:
     return header, INDICES[backend] + read(f"{name}.body")
 
 
+def compact(text: str) -> str:
+    """Kernel text without comments and blank lines: MLX copies and hashes a custom kernel's whole source at
+    every call (graph building and evaluation), so a shorter text is a cheaper decode step."""
+    lines = (re.sub(r"\s*//.*$", "", line).rstrip() for line in text.splitlines())
+    return "\n".join(line for line in lines if line.strip()) + "\n"
+
+
 @cache
 def _kernel(name: str, backend: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Any:
-    header, source = assemble(name, backend)
+    header, source = (compact(text) for text in assemble(name, backend))
     if backend == "cuda":
         return mx.fast.cuda_kernel(name=f"gmlx_{name}", input_names=list(inputs), output_names=list(outputs),
                                    source=source, header=header, ensure_row_contiguous=True)

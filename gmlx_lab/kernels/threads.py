@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .build import HERE, INDICES, read
+from .build import HERE, INDICES, compact, read
 
 CXX = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing"]
 C_TYPES = {mx.float32: "float", mx.float16: "HALF", mx.uint32: "uint32_t", mx.int32: "int32_t"}
@@ -51,13 +51,14 @@ def enabled() -> bool:
 
 def source(name: str, args: list[tuple[str, str, bool]], template: dict[str, int]) -> str:
     """C++ text: prelude_cpu.h, common.h and the kernel's helpers; the body as one threadgroup's function."""
-    helpers = read(f"{name}.h") if (HERE / f"{name}.h").exists() else ""
+    helpers = compact(read(f"{name}.h")) if (HERE / f"{name}.h").exists() else ""
     params = ",\n    ".join(f"{'' if out else 'const '}{t}* {n}" for n, t, out in args)
     consts = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in template.items())
     run_args = ", ".join(f"void* {n}_" for n, _, _ in args)
     casts = ", ".join(f"static_cast<{'' if out else 'const '}{t}*>({n}_)" for n, t, out in args)
-    return (f'#include "{HERE / "prelude_cpu.h"}"\n{read("common.h")}\n{helpers}\n'
-            f"static void threadgroup(\n    {params}) {{\n{consts}{INDICES['cuda']}{read(f'{name}.body')}\n}}\n\n"
+    body = compact(read(f"{name}.body"))  # the text MLX gets (build.compact)
+    return (f'#include "{HERE / "prelude_cpu.h"}"\n{compact(read("common.h"))}\n{helpers}\n'
+            f"static void threadgroup(\n    {params}) {{\n{consts}{INDICES['cuda']}{body}\n}}\n\n"
             f'extern "C" void run({run_args}, u32 grid_y, u32 grid_z, u32 threads) {{\n'
             f"  gmlx_launch(grid_y, grid_z, threads, [&] {{ threadgroup({casts}); }});\n}}\n")
 
