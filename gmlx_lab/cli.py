@@ -6,7 +6,7 @@
     gmlx-lab memory --context 4096
     gmlx-lab lab                               # JupyterLab on the notebooks/ folder
 
-`--model` picks the model: the bundled teaching-llama by default, "smollm2-135m",
+`--model` picks the model: the bundled teaching-llama by default, "smollm2-135m", "gemma3-270m",
 a specimen family (llama, gpt_oss, ...: random weights, no tokenizer) or a folder.
 Errors print one line, `gmlx-lab: error: ...`, and exit non-zero.
 """
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", default=None,
-                       help="teaching-llama (default), smollm2-135m, a specimen family or a model folder")
+                       help="teaching-llama (default), smollm2-135m, gemma3-270m, a specimen family or a model folder")
     quiet = argparse.ArgumentParser(add_help=False)
     quiet.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("policy", help="the [kv] line and per-layer decisions for a model")
     p.add_argument("model_name", metavar="MODEL", nargs="?", default=None,
-                   help="teaching-llama (default), a specimen family (llama, gpt_oss, ...), smollm2-135m or a folder")
+                   help="teaching-llama (default), a specimen family (llama, gpt_oss, ...), smollm2-135m, gemma3-270m "
+                        "or a folder")
     p.add_argument("--schemes", default="kvarn,affine", help="comma-separated specs (default kvarn,affine)")
     p.add_argument("--json", action="store_true", help="print the kv_quant dicts as JSON")
     p.set_defaults(run=cmd_policy)

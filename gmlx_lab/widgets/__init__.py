@@ -27,7 +27,7 @@ __all__ = ["CompareApp", "ModelPicker", "compare", "kv_explorer", "model_picker"
 
 
 class ModelPicker:
-    """Choose a model: the bundled one (default), SmolLM2 when installed, or any mlx-lm folder / repo id.
+    """Choose a model: the bundled one (default), SmolLM2 or Gemma 3 270M when installed, or an mlx-lm folder / repo id.
 
     The default model is loaded at once, so a notebook runs top to bottom unattended;
     pick another and press Load, then re-run the cells below.
