@@ -2,8 +2,8 @@
 // per GPU lane, so their index math can be checked without a GPU (threads.py builds and runs them).
 //
 // The lanes, their warps and barriers are cpu_lanes.h's (shared with the Metal shim, shim_metal_cpu.h);
-// gmlx_launch sets each lane's threadIdx / blockIdx / blockDim and calls the kernel body. SHARED memory is
-// `static` (one copy, shared by all threads of the running block: blocks run in turn).
+// threadIdx / blockIdx / blockDim read the running lane's. SHARED memory is `static` (one copy, shared by
+// all lanes of the running block: blocks run in turn).
 #pragma once
 
 #include "cpu_lanes.h"
@@ -31,7 +31,9 @@ struct float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { u32 x, y, z, w; };
 struct Dim3 { u32 x = 0, y = 0, z = 0; };
-inline thread_local Dim3 threadIdx, blockIdx, blockDim;
+#define threadIdx (Dim3{gmlx_tid(), 0, 0})       // the running lane's (cpu_lanes.h)
+#define blockIdx (Dim3{0, gmlx_group_y, gmlx_group_z})
+#define blockDim (Dim3{gmlx_block->n, 1, 1})
 
 // ---- math (float overloads next to C's double ones) ----
 FN float exp(float x) { return std::exp(x); }
@@ -95,13 +97,8 @@ FN void mma16816(float* c, const u32* a, const u32* b, u32 lane) {
   }
 }
 
-// ---- the launch: blocks (y, z) in turn, each as `threads` OS threads calling block_fn() ----
+// ---- the launch: blocks (y, z) in turn, each as `threads` lanes calling block_fn() ----
 template <typename F>
 void gmlx_launch(u32 grid_y, u32 grid_z, u32 threads, F block_fn) {
-  gmlx_run_lanes(grid_y, grid_z, threads, [&](u32 i, u32 y, u32 z) {
-    threadIdx = {i, 0, 0};
-    blockIdx = {0, y, z};
-    blockDim = {threads, 1, 1};
-    block_fn();
-  });
+  gmlx_run_lanes(grid_y, grid_z, threads, [&](u32, u32, u32) { block_fn(); });
 }

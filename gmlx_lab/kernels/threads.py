@@ -39,6 +39,7 @@ C_TYPES = {mx.float32: "float", mx.float16: "HALF", mx.uint32: "uint32_t", mx.in
 NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.uint32: np.uint32, mx.int32: np.int32}
 CACHE_DIR = Path(tempfile.gettempdir()) / "gmlx_cpu_threads"
 SOURCES = ("cuda", "metal")
+METAL_THREADGROUP_BYTES = 32768  # threadgroup memory of one threadgroup on Apple GPUs (M1 to M4)
 
 _source: str | None = None  # which source build.launch runs on CPU threads; None: it does not
 
@@ -106,9 +107,10 @@ def _preprocessed(metal: str) -> str:
 
 
 def metal_cpp(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tuple[int, ...], mx.Dtype]],
-              template: dict[str, int]) -> str:
-    """C++ text for the Metal source: shim_metal_cpu.h, the text mx.fast.metal_kernel compiles (macros expanded,
-    threadgroup variables made static), and run(), which calls the kernel once per lane with its indices."""
+              template: dict[str, int]) -> tuple[str, str]:
+    """(kernel name, C++ text) for the Metal source: shim_metal_cpu.h, the text mx.fast.metal_kernel compiles
+    (macros expanded, threadgroup variables made static), and run(), which calls the kernel once per lane with
+    its indices."""
     kname, text = metal_source(name, inputs, outputs, template)
     body = assemble(name, "metal")[1]
     extras = [n + s for n in inputs for s in ("_shape", "_strides", "_ndim") if n + s in body]
@@ -120,14 +122,14 @@ def metal_cpp(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[t
              for i, (_, dtype) in enumerate(outputs.values())]
     args += [f"ids.{attr}" for attr in metal_attributes(body)]
     call = f"{kname}<{', '.join(str(int(v)) for v in template.values())}>" if template else kname
-    return (f'#include "{HERE / "shim_metal_cpu.h"}"\n{threadgroup_storage_static(_preprocessed(text))}\n'
-            f'#line 1 "run"\nextern "C" void run(void** args, uint grid_y, uint grid_z, uint threads) {{\n'
-            f"  gmlx_metal_launch(grid_y, grid_z, threads, [&](const MetalIds& ids) {{\n"
-            f"    {call}(\n      " + ",\n      ".join(args) + ");\n  });\n}\n")
+    return kname, (f'#include "{HERE / "shim_metal_cpu.h"}"\n{threadgroup_storage_static(_preprocessed(text))}\n'
+                   f'#line 1 "run"\nextern "C" void run(void** args, uint grid_y, uint grid_z, uint threads) {{\n'
+                   f"  gmlx_metal_launch(grid_y, grid_z, threads, [&](const MetalIds& ids) {{\n"
+                   f"    {call}(\n      " + ",\n      ".join(args) + ");\n  });\n}\n")
 
 
 @cache
-def _library(text: str) -> ctypes.CDLL:
+def _library(text: str) -> Path:
     """The compiled source, cached on disk by a hash of its text (and of the headers')."""
     if shutil.which(CXX[0]) is None:
         raise RuntimeError("running kernels on CPU threads needs g++ (C++20): `bash tools/system_deps.sh` "
@@ -143,7 +145,22 @@ def _library(text: str) -> ctypes.CDLL:
         if res.returncode:
             raise RuntimeError(f"g++ could not compile {cpp}:\n{res.stderr[-4000:]}")
         tmp.replace(lib)
+    return lib
+
+
+@cache
+def _load(lib: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
+
+
+@cache
+def threadgroup_bytes(lib: Path, kname: str) -> int:
+    """Threadgroup memory of Metal kernel `kname` compiled into `lib`: the sizes of its static variables (the
+    threadgroup variables made static), each rounded up to 16 bytes, read from the symbol table (nm -S)."""
+    res = subprocess.run(["nm", "-S", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+    sizes = [int(f[1], 16) for f in map(str.split, res.stdout.splitlines())
+             if len(f) == 4 and f[3].startswith(f"_ZZ{len(kname)}{kname}")]   # _ZZ: a function's static variable
+    return sum(-(-size // 16) * 16 for size in sizes)
 
 
 def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tuple[int, ...], mx.Dtype]],
@@ -160,7 +177,11 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
             raise ValueError(f"kernel {name}: input {key} has dtype {arr.dtype}; CPU threads accept "
                              f"{', '.join(str(t) for t in C_TYPES)}")
     if source == "metal":
-        text = metal_cpp(name, inputs, outputs, template)
+        kname, text = metal_cpp(name, inputs, outputs, template)
+        used = threadgroup_bytes(_library(text), kname)
+        if used > METAL_THREADGROUP_BYTES:
+            raise RuntimeError(f"kernel {name} ({template}) declares {used} bytes of threadgroup memory; Apple GPUs "
+                               f"allow {METAL_THREADGROUP_BYTES} (MLX would fail to build its pipeline)")
     elif source == "cuda":
         args = [(k, C_TYPES[a.dtype], False) for k, a in inputs.items()]
         text = cuda_cpp(name, args + [(k, C_TYPES[dtype], True) for k, (_, dtype) in outputs.items()], template)
@@ -171,6 +192,6 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
     outs = [np.full(shape, np.nan if dtype in (mx.float32, mx.float16) else 0xDEAD, NP_TYPES[dtype])
             for shape, dtype in outputs.values()]
     pointers = [a.ctypes.data_as(ctypes.c_void_p) for a in arrays + outs]
-    _library(text).run((ctypes.c_void_p * len(pointers))(*pointers), ctypes.c_uint(grid[1]), ctypes.c_uint(grid[2]),
-                       ctypes.c_uint(threads))
+    _load(_library(text)).run((ctypes.c_void_p * len(pointers))(*pointers), ctypes.c_uint(grid[1]),
+                              ctypes.c_uint(grid[2]), ctypes.c_uint(threads))
     return [mx.array(o) for o in outs]
