@@ -17,13 +17,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("kernel_source", threads.SOURCES)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        source = item.callspec.params.get("kernel_source") if hasattr(item, "callspec") else None
-        if source:
-            _on_threads[source].append(item.nodeid)
-
-
 @pytest.fixture
 def kernel_source() -> str | None:
     """The source a `gpu` test's kernels run from on CPU threads (parametrized there); None elsewhere."""
@@ -31,8 +24,9 @@ def kernel_source() -> str | None:
 
 
 @pytest.fixture(autouse=True)
-def _kernels_on_cpu_threads(kernel_source: str | None):
+def _kernels_on_cpu_threads(request: pytest.FixtureRequest, kernel_source: str | None):
     if kernel_source is not None:
+        _on_threads[kernel_source].append(request.node.nodeid)
         with threads.on_cpu_threads(kernel_source):
             yield
     else:

@@ -67,6 +67,18 @@ def active_backend() -> str:
     return "cpu"
 
 
+def kernel_backend() -> str:
+    """The source that `launch` runs: 'cuda' or 'metal' (on that GPU, or on CPU threads inside
+    `threads.on_cpu_threads`), else 'cpu'. Launch settings that differ per backend follow it."""
+    backend = active_backend()
+    if backend == "cpu":
+        from . import threads
+
+        if threads.enabled():
+            return threads.current_source()
+    return backend
+
+
 def read(name: str) -> str:
     """The text of one file of this folder."""
     return (HERE / name).read_text()
@@ -156,19 +168,16 @@ def _kernel(name: str, backend: str, inputs: tuple[str, ...], outputs: tuple[str
 def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tuple[int, ...], mx.Dtype]],
            grid: tuple[int, int, int], threadgroup: tuple[int, int, int], template: dict[str, int]) -> list[mx.array]:
     """Run kernel `name` on the active GPU backend; grid counts threads, as in both MLX APIs."""
-    backend = active_backend()
-    if backend == "cpu":
+    backend = kernel_backend()
+    if backend == "metal":
+        inputs = metal_device_inputs(inputs)
+    if active_backend() == "cpu":
         from . import threads
 
         if not threads.enabled():
             raise RuntimeError(f"kernel {name}: no GPU backend is active (MLX runs on the CPU); use the reference path")
         # tests: the CUDA or Metal source on CPU threads (threads.py), with the inputs that backend would get
-        source = threads.current_source()
-        if source == "metal":
-            inputs = metal_device_inputs(inputs)
-        return threads.launch(name, inputs, outputs, grid, threadgroup, template, source=source)
-    if backend == "metal":
-        inputs = metal_device_inputs(inputs)
+        return threads.launch(name, inputs, outputs, grid, threadgroup, template, source=backend)
     kernel = _kernel(name, backend, tuple(inputs), tuple(outputs))
     return kernel(
         inputs=list(inputs.values()),

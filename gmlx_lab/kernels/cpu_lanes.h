@@ -28,31 +28,15 @@
 // stack, then the stack pointers are exchanged): about 10 ns, where ucontext's swapcontext, used elsewhere,
 // also makes a system call (about 0.5 us). A Metal fragment product is 32 SIMD shuffles, each a switch to
 // every lane of the SIMD group, so this is most of the time the tests spend on the Metal sources.
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(GMLX_UCONTEXT)
 struct GmlxFiber { void* sp = nullptr; };
-extern "C" void gmlx_switch_sp(void** save_sp, void* load_sp);
-asm(R"(
-  .text
-  .globl gmlx_switch_sp
-  .hidden gmlx_switch_sp
-  .type gmlx_switch_sp, @function
-gmlx_switch_sp:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-)");
+// gmlx_switch_sp(save_sp, load_sp): push the callee-saved registers, store the stack pointer at *save_sp (rdi),
+// load load_sp (rsi) as the stack pointer, pop that fiber's registers and return into it.
+__attribute__((naked, noinline)) static void gmlx_switch_sp(void** /*save_sp*/, void* /*load_sp*/) {
+  asm("pushq %rbp\n pushq %rbx\n pushq %r12\n pushq %r13\n pushq %r14\n pushq %r15\n"
+      "movq %rsp, (%rdi)\n movq %rsi, %rsp\n"
+      "popq %r15\n popq %r14\n popq %r13\n popq %r12\n popq %rbx\n popq %rbp\n ret\n");
+}
 inline void gmlx_switch(GmlxFiber& from, GmlxFiber& to) { gmlx_switch_sp(&from.sp, to.sp); }
 // A new fiber's stack as gmlx_switch_sp leaves it: six saved registers, then `entry` as the return address
 // (and a null one above it, so that `entry` starts with the stack aligned as after a call). `entry` never returns.
@@ -63,7 +47,10 @@ inline void gmlx_fiber_init(GmlxFiber& f, char* stack, size_t size, void (*entry
   for (int i = 0; i < 6; ++i) *--sp = nullptr;
   f.sp = sp;
 }
-#else
+#else                                              // elsewhere, or with -DGMLX_UCONTEXT (a test builds it)
+#ifndef _XOPEN_SOURCE
+#define _XOPEN_SOURCE 700                          // macOS declares the ucontext functions only with it
+#endif
 #include <ucontext.h>
 struct GmlxFiber { ucontext_t ctx; };
 inline void gmlx_switch(GmlxFiber& from, GmlxFiber& to) { swapcontext(&from.ctx, &to.ctx); }

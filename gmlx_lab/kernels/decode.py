@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache.records import unpack_rows
-from .build import launch
+from .build import kernel_backend, launch
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
@@ -36,14 +36,22 @@ def ungroup(x: mx.array, b: int, hq: int, length: int) -> mx.array:
 
 @cache
 def int_params(*values: int) -> mx.array:
-    """A small int32 parameter array, kept so decode steps do not build and upload a new one each call."""
-    return mx.array(values, mx.int32)
+    """A small int32 parameter array, kept so decode steps do not build and upload a new one each call. It has
+    at least 8 entries (zeros after the values), so that build.launch need not pad it for Metal each call."""
+    return mx.array(values + (0,) * (8 - len(values)), mx.int32)
 
 
 @cache
 def float_params(*values: float) -> mx.array:
-    """A small float32 parameter array (the softmax scale), kept like `int_params`."""
-    return mx.array(values, mx.float32)
+    """A small float32 parameter array (the softmax scale), kept and padded like `int_params`."""
+    return mx.array(values + (0.0,) * (8 - len(values)), mx.float32)
+
+
+def affine_qb_max(d: int) -> int:
+    """Query vectors per affine_decode threadgroup: QB_MAX, but 3 past head_dim 512 on Metal, where a threadgroup
+    has 32 KB of memory and each query vector takes 4 D bytes + 4.6 KB of it (itself, its softmax weights and
+    the token lanes' outputs): 35 KB for four at head_dim 1024."""
+    return 3 if d > 512 and kernel_backend() == "metal" else QB_MAX
 
 
 def _chunks(nq: int, qb_max: int) -> tuple[int, int]:
@@ -93,6 +101,7 @@ def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dty
 
 # -- kvarn ----------------------------------------------------------------------------------
 KVARN_WARPS = 4  # warps per kvarn_decode threadgroup; each walks its own run of units
+METAL_MAX_HEAD_DIM = 512  # kvarn_decode on Metal: past it the queries and one slice's outputs fill 32 KB
 KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16 tensor-core products
 # One wave of warps on an H200: 132 multiprocessors x 3 threadgroups of 4 warps (the kernel's 158 registers
 # per thread allow 3); more would leave a second, mostly idle wave.
@@ -102,6 +111,12 @@ TARGET_WARPS = 132 * 12
 def _fp16_parts(cache: Any) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
     """The sink's and the recent tokens' K, V (B, H, n, D) float16 (recent may be None)."""
     return cache.sink[0], cache.sink[1], cache.recent[0], cache.recent[1]
+
+
+def kvarn_warps(d: int) -> int:
+    """Warps per kvarn_decode threadgroup: KVARN_WARPS, but 2 past head_dim 256 on Metal, where a threadgroup
+    has 32 KB of memory: the queries (8 x D floats) and four warps' softmax weights (16.5 KB) do not fit."""
+    return 2 if d > 256 and kernel_backend() == "metal" else KVARN_WARPS
 
 
 def kvarn_units(records: int, recent: int) -> int:
@@ -115,7 +130,7 @@ def kvarn_partials(qg: mx.array, scale: float, cache: Any, length: int, causal: 
     rotated K/V: the queries are rotated first (inside the kernel when D is a power of two).
 
     Units run in the order records, sink, recent tiles; each warp takes `per_warp` of them and a split
-    is one threadgroup's KVARN_WARPS runs. Returns part_o (BH, NSPLIT, NQ, D), part_lse (BH, NSPLIT, NQ).
+    is one threadgroup's `kvarn_warps(D)` runs. Returns part_o (BH, NSPLIT, NQ, D), part_lse (BH, NSPLIT, NQ).
     """
     bh, nq, d = qg.shape
     kbody, vbody = cache.body
@@ -126,9 +141,10 @@ def kvarn_partials(qg: mx.array, scale: float, cache: Any, length: int, causal: 
     nr = 0 if rk is None else rk.shape[2]
     units = kvarn_units(r, nr)
     per = per_warp or -(-units // -(-TARGET_WARPS // (bh * nchunk)))
-    nsplit = -(-units // (per * KVARN_WARPS))
+    warps = kvarn_warps(d)
+    nsplit = -(-units // (per * warps))
     if emulate:
-        return _kvarn_emulated(mx.hadamard_transform(qg) * scale, cache, length, causal, per * KVARN_WARPS)
+        return _kvarn_emulated(mx.hadamard_transform(qg) * scale, cache, length, causal, per * warps)
     rotate_here = _is_pow2(d)
     if not rotate_here:
         qg = mx.hadamard_transform(qg)
@@ -141,9 +157,9 @@ def kvarn_partials(qg: mx.array, scale: float, cache: Any, length: int, causal: 
     return tuple(launch(
         "kvarn_decode", inputs,
         {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32)},
-        grid=(32 * KVARN_WARPS, nsplit, bh * nchunk), threadgroup=(32 * KVARN_WARPS, 1, 1),
+        grid=(32 * warps, nsplit, bh * nchunk), threadgroup=(32 * warps, 1, 1),
         template={"KB": cache.k_bits, "VB": cache.v_bits, "S": s, "NQ": nq, "NCHUNK": nchunk, "L": length,
-                  "WARPS": KVARN_WARPS, "ROTATE": int(rotate_here), "QDT": DTYPE_IDS[qg.dtype]},
+                  "WARPS": warps, "ROTATE": int(rotate_here), "QDT": DTYPE_IDS[qg.dtype]},
     ))
 
 
@@ -225,10 +241,13 @@ def kvarn_attend(cache: Any, queries: mx.array, scale: float, mask: Any, emulate
 
 
 def kvarn_supported(cache: Any, queries: mx.array, mask: Any) -> bool:
-    """Whether the fused path applies: sealed records, 1..4 query tokens, no array mask, queries after the body."""
+    """Whether the fused path applies: sealed records, 1..4 query tokens, no array mask, queries after the body
+    (and on Metal a head_dim of at most 512)."""
     if cache.body[0] is None or cache.body[1] is None or not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS:
         return False
     if queries.dtype not in DTYPE_IDS:
+        return False
+    if queries.shape[-1] > METAL_MAX_HEAD_DIM and kernel_backend() == "metal":
         return False
     if mask is None:
         return True
@@ -244,7 +263,7 @@ def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: 
     """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...)."""
     bh, nq, d = qg.shape
     cap = kparts[0].shape[2]
-    qb, nchunk = _chunks(nq, QB_MAX)
+    qb, nchunk = _chunks(nq, affine_qb_max(d))
     tiles = -(-tokens // 128)
     per = 128 * (per_split or split_size(tiles, bh * nchunk))
     nsplit = -(-tokens // per)

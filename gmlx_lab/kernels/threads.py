@@ -82,8 +82,10 @@ def cuda_cpp(name: str, args: list[tuple[str, str, bool]], template: dict[str, i
             f"  gmlx_launch(grid_y, grid_z, threads, [&] {{ threadgroup({casts}); }});\n}}\n")
 
 
-# `threadgroup` opening the declaration of a variable (not of a pointer or reference): threadgroup storage
-THREADGROUP_VARIABLE = re.compile(r"\bthreadgroup(\s+(?:const\s+)?[A-Za-z_][\w:]*(?:<[^<>;]*>)?\s+[A-Za-z_]\w*\s*[\[;,])")
+# `threadgroup`, a type (`float`, `float4`, `vec<T, N>`) and a name, then `[`, `;` or `,`: a threadgroup variable
+# (a pointer's declaration has a `*` before the name, a cast or parameter a `*` or `&` too)
+THREADGROUP_VARIABLE = re.compile(r"\bthreadgroup(\s+(?:const\s+)?[A-Za-z_][\w:]*(?:<[^<>;]*>)?"  # the type
+                                  r"\s+[A-Za-z_]\w*\s*[\[;,])")  # the name
 
 
 def threadgroup_storage_static(text: str) -> str:
