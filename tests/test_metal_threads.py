@@ -135,6 +135,18 @@ def test_metal_mma_slip_fails(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("source", threads.SOURCES)
+def test_cpu_threads_report_a_deadlock(monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    """A barrier that only some lanes reach (here lane 0 of each SIMD group, in split_merge) stops the launch
+    with an error instead of hanging: no lane arrives anywhere during a whole turn of the waiting lanes."""
+    real = build.read
+    slip = lambda name: real(name).replace("BARRIER();\nbig = red[0];", "if (LANE == 0) BARRIER();\nbig = red[0];")  # noqa: E731
+    monkeypatch.setattr(build, "read", slip)
+    monkeypatch.setattr(threads, "read", slip)
+    with _on_cpu(), threads.on_cpu_threads(source), pytest.raises(RuntimeError, match="deadlocked"):
+        merge_splits(mx.random.normal((1, 2, 4, 128)), mx.random.normal((1, 2, 4)))
+
+
+@pytest.mark.parametrize("source", threads.SOURCES)
 def test_cpu_lanes_on_ucontext(monkeypatch: pytest.MonkeyPatch, source: str) -> None:
     """cpu_lanes.h switches fibers by ucontext where it has no x86-64 switch; -DGMLX_UCONTEXT builds that here."""
     monkeypatch.setattr(threads, "CXX", [*threads.CXX, "-DGMLX_UCONTEXT"])

@@ -78,11 +78,14 @@ inline GmlxFiber gmlx_scheduler;                   // the launching thread's own
 // Hand the CPU back to the scheduler, which runs the next lane; this lane resumes on its next turn.
 inline void gmlx_yield() { gmlx_switch(gmlx_cur->fiber, gmlx_scheduler); }
 
+inline uint64_t gmlx_events = 0;                   // arrivals at barriers and finished lanes, so far
+
 // `n` lanes wait here until all have arrived (the last to arrive starts the next generation).
 struct GmlxBarrier {
   uint32_t n, arrived = 0, generation = 0;
   explicit GmlxBarrier(uint32_t count) : n(count) {}
   void arrive_and_wait() {
+    ++gmlx_events;
     const uint32_t gen = generation;
     if (++arrived == n) { arrived = 0; ++generation; return; }
     while (generation == gen) gmlx_yield();
@@ -120,14 +123,18 @@ inline uint32_t gmlx_group_y = 0, gmlx_group_z = 0;
 inline void gmlx_fiber_main() {
   gmlx_lane_entry(gmlx_lane_fn, gmlx_cur->tid, gmlx_group_y, gmlx_group_z);
   gmlx_cur->done = true;
+  ++gmlx_events;
   gmlx_yield();
 }
 
 // The launch: threadgroups (y, z) in turn, each as `threads` lanes calling lane_fn(index, y, z). The
-// scheduler resumes the unfinished lanes in lane order until all have finished. One launch at a time per
-// process (the running lane and group are plain globals, as is the kernel's threadgroup memory).
+// scheduler resumes the unfinished lanes in lane order until all have finished. A turn of every unfinished lane
+// in which none arrives anywhere or finishes is a deadlock: some lanes wait at a barrier or SIMD-group operation
+// that others never reach (a branch that not all lanes take, or lanes that have returned); the launch stops
+// and returns false. One launch at a time per process (the running lane and group are plain globals, as is
+// the kernel's threadgroup memory).
 template <typename F>
-void gmlx_run_lanes(uint32_t grid_y, uint32_t grid_z, uint32_t threads, F lane_fn) {
+bool gmlx_run_lanes(uint32_t grid_y, uint32_t grid_z, uint32_t threads, F lane_fn) {
   constexpr size_t STACK = 256 * 1024;
   std::unique_ptr<char[]> stacks(new char[threads * STACK]);
   gmlx_lane_fn = &lane_fn;
@@ -147,13 +154,16 @@ void gmlx_run_lanes(uint32_t grid_y, uint32_t grid_z, uint32_t threads, F lane_f
     }
     for (bool running = true; running;) {
       running = false;
+      const uint64_t events = gmlx_events;
       for (GmlxLane& lane : lanes) {
         if (lane.done) continue;
         gmlx_cur = &lane;
         gmlx_switch(gmlx_scheduler, lane.fiber);
         running |= !lane.done;
       }
+      if (running && gmlx_events == events) return gmlx_cur = nullptr, false;
     }
     gmlx_cur = nullptr;
   }
+  return true;
 }

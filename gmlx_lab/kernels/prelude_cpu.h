@@ -99,6 +99,6 @@ FN void mma16816(float* c, const u32* a, const u32* b, u32 lane) {
 
 // ---- the launch: blocks (y, z) in turn, each as `threads` lanes calling block_fn() ----
 template <typename F>
-void gmlx_launch(u32 grid_y, u32 grid_z, u32 threads, F block_fn) {
-  gmlx_run_lanes(grid_y, grid_z, threads, [&](u32, u32, u32) { block_fn(); });
+bool gmlx_launch(u32 grid_y, u32 grid_z, u32 threads, F block_fn) {
+  return gmlx_run_lanes(grid_y, grid_z, threads, [&](u32, u32, u32) { block_fn(); });
 }

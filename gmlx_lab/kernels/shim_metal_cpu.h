@@ -35,10 +35,10 @@ struct half2 {
   half2() = default;
   constexpr half2(half x_, half y_) : x(x_), y(y_) {}
 };
-struct float2 { float x, y; };
+struct alignas(8) float2 { float x, y; };       // Metal's sizes and alignments
 struct alignas(16) float4 { float x, y, z, w; };
-struct uint2 { uint x, y; };
-struct uint3 { uint x, y, z; };
+struct alignas(8) uint2 { uint x, y; };
+struct alignas(16) uint3 { uint x, y, z; };
 
 // ---- the Metal standard library's names this folder's kernels use ----
 namespace metal {
@@ -122,8 +122,8 @@ struct MetalIds {
 
 // ---- the launch: threadgroups (y, z) in turn; lane_fn(ids) calls the kernel with the ids it declares ----
 template <typename F>
-void gmlx_metal_launch(uint grid_y, uint grid_z, uint threads, F lane_fn) {
-  gmlx_run_lanes(grid_y, grid_z, threads, [&](uint i, uint y, uint z) {
+bool gmlx_metal_launch(uint grid_y, uint grid_z, uint threads, F lane_fn) {
+  return gmlx_run_lanes(grid_y, grid_z, threads, [&](uint i, uint y, uint z) {
     lane_fn(MetalIds(i, y, z, threads, grid_y, grid_z));
   });
 }

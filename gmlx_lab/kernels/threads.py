@@ -78,8 +78,8 @@ def cuda_cpp(name: str, args: list[tuple[str, str, bool]], template: dict[str, i
     casts = ", ".join(f"static_cast<{'' if out else 'const '}{t}*>(args[{i}])" for i, (_, t, out) in enumerate(args))
     return (f'#include "{HERE / "prelude_cpu.h"}"\n{read("common.h")}\n{helpers}\n'
             f"static void threadgroup(\n    {params}) {{\n{consts}{INDICES['cuda']}{read(f'{name}.body')}\n}}\n\n"
-            f'extern "C" void run(void** args, u32 grid_y, u32 grid_z, u32 threads) {{\n'
-            f"  gmlx_launch(grid_y, grid_z, threads, [&] {{ threadgroup({casts}); }});\n}}\n")
+            f'extern "C" bool run(void** args, u32 grid_y, u32 grid_z, u32 threads) {{\n'
+            f"  return gmlx_launch(grid_y, grid_z, threads, [&] {{ threadgroup({casts}); }});\n}}\n")
 
 
 # `threadgroup`, a type (`float`, `float4`, `vec<T, N>`) and a name, then `[`, `;` or `,`: a threadgroup variable
@@ -125,8 +125,8 @@ def metal_cpp(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[t
     args += [f"ids.{attr}" for attr in metal_attributes(body)]
     call = f"{kname}<{', '.join(str(int(v)) for v in template.values())}>" if template else kname
     return kname, (f'#include "{HERE / "shim_metal_cpu.h"}"\n{threadgroup_storage_static(_preprocessed(text))}\n'
-                   f'#line 1 "run"\nextern "C" void run(void** args, uint grid_y, uint grid_z, uint threads) {{\n'
-                   f"  gmlx_metal_launch(grid_y, grid_z, threads, [&](const MetalIds& ids) {{\n"
+                   f'#line 1 "run"\nextern "C" bool run(void** args, uint grid_y, uint grid_z, uint threads) {{\n'
+                   f"  return gmlx_metal_launch(grid_y, grid_z, threads, [&](const MetalIds& ids) {{\n"
                    f"    {call}(\n      " + ",\n      ".join(args) + ");\n  });\n}\n")
 
 
@@ -152,7 +152,9 @@ def _library(text: str) -> Path:
 
 @cache
 def _load(lib: Path) -> ctypes.CDLL:
-    return ctypes.CDLL(str(lib))
+    dll = ctypes.CDLL(str(lib))
+    dll.run.restype = ctypes.c_bool
+    return dll
 
 
 @cache
@@ -194,6 +196,9 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
     outs = [np.full(shape, np.nan if dtype in (mx.float32, mx.float16) else 0xDEAD, NP_TYPES[dtype])
             for shape, dtype in outputs.values()]
     pointers = [a.ctypes.data_as(ctypes.c_void_p) for a in arrays + outs]
-    _load(_library(text)).run((ctypes.c_void_p * len(pointers))(*pointers), ctypes.c_uint(grid[1]),
-                              ctypes.c_uint(grid[2]), ctypes.c_uint(threads))
+    finished = _load(_library(text)).run((ctypes.c_void_p * len(pointers))(*pointers), ctypes.c_uint(grid[1]),
+                                         ctypes.c_uint(grid[2]), ctypes.c_uint(threads))
+    if not finished:
+        raise RuntimeError(f"kernel {name} ({source} source) deadlocked: some lanes wait at a barrier or SIMD-group "
+                           "operation that others never reach (a branch not all lanes take, or lanes that returned)")
     return [mx.array(o) for o in outs]
