@@ -12,7 +12,8 @@ _on_threads: dict[str, list[str]] = {source: [] for source in threads.SOURCES}
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Without an MLX GPU backend each `gpu` test runs twice on CPU threads (one per lane,
-    gmlx_lab/kernels/threads.py): from the kernels' CUDA sources and from their Metal sources."""
+    gmlx_lab/kernels/threads.py): from the kernels' CUDA sources and from their Metal sources, as
+    mx.fast.metal_kernel generates them. The kernels' logic is tested, a GPU is not, and the summary says so."""
     if active_backend() == "cpu" and metafunc.definition.get_closest_marker("gpu"):
         metafunc.parametrize("kernel_source", threads.SOURCES)
 

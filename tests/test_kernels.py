@@ -1,7 +1,8 @@
 """The fused kernels: sources per backend, their algorithm emulated in MLX, and (on a GPU) the kernels.
 
-Tests marked `gpu` need an MLX GPU backend (CUDA or Metal). On a CPU-only machine conftest.py
-deselects them and the run's summary says so: they did not run there, and nothing counts them as passed.
+Tests marked `gpu` run on an MLX GPU backend (CUDA or Metal). On a CPU-only machine conftest.py runs each of
+them twice on CPU threads, from the kernels' CUDA sources and from their Metal sources, and the run's summary
+says so: the kernels' logic is tested there, not a GPU.
 """
 
 from __future__ import annotations

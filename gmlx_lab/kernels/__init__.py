@@ -4,8 +4,8 @@
 - `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
 - `split_merge`: merges the splits by log-sum-exp and rotates the output back;
 - `kvarn_seal`: variance normalization, rounding and packing of records.
-On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA sources on
-CPU threads there (`threads.py`, one thread per GPU lane).
+On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA and Metal sources
+on CPU threads there (`threads.py`, one fiber per GPU lane).
 """
 
 from .build import active_backend, assemble

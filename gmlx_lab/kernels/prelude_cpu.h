@@ -1,5 +1,5 @@
-// CPU replacement for prelude_cuda.h: the kernel bodies of gmlx_lab/kernels run on the CPU, one OS thread
-// per GPU lane, so their index math can be checked without a GPU (threads.py builds and runs them).
+// CPU replacement for prelude_cuda.h: the kernel bodies of gmlx_lab/kernels run on the CPU, one CPU thread
+// (a fiber) per GPU lane, so their index math can be checked without a GPU (threads.py builds and runs them).
 //
 // The lanes, their warps and barriers are cpu_lanes.h's (shared with the Metal shim, shim_metal_cpu.h);
 // threadIdx / blockIdx / blockDim read the running lane's. SHARED memory is `static` (one copy, shared by

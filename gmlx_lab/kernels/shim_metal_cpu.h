@@ -1,5 +1,5 @@
 // Metal's names for g++ (C++20): the Metal source that mx.fast.metal_kernel compiles (build.metal_source)
-// runs on CPU threads, one OS thread per lane (cpu_lanes.h), over this header instead of MLX's Metal
+// runs on the CPU, one fiber per lane (cpu_lanes.h), over this header instead of MLX's Metal
 // preamble (<metal_stdlib>, `using namespace metal;`, `typedef half float16_t;`). threads.py builds it.
 //
 // What each Metal name means here:

@@ -1,17 +1,20 @@
-"""Run a kernel's CUDA or Metal source on CPU threads, one OS thread per GPU lane: the kernels' logic, tested
-without a GPU.
+"""Run a kernel's CUDA or Metal source on the CPU, one CPU thread (a fiber) per GPU lane: the kernels' logic,
+tested without a GPU.
 
 `launch` takes what `build.launch` takes, plus the source to run:
 - "cuda": the body as CUDA would see it (the CUDA index bindings, the template constants as `constexpr int`),
   compiled over `prelude_cpu.h` instead of the CUDA prelude, whose tensor-core product is the PTX instruction;
 - "metal": the whole text that mx.fast.metal_kernel compiles on a Mac (`build.metal_source`: Metal prelude,
   signature, body, template instantiation), compiled over `shim_metal_cpu.h` in place of MLX's Metal
-  preamble, so the Metal prelude's own code runs, its SIMD-shuffle `mma16816` included.
-Both run on cpu_lanes.h: SIMD-group operations (shuffles, reductions, WARP_BARRIER) synchronize the 32 lanes
-of one warp, BARRIER() a threadgroup, and threadgroups run one after another. g++ (C++20) compiles each source
-once; the library is cached on disk by a hash of its text. This checks indices, masks, splits, merges, the
-float16 rounding of tensor-core operands and (Metal) that the generated source compiles with address spaces
-kept apart; it measures nothing about speed, and a real GPU's memory model is not reproduced. Used by the
+  preamble, so the Metal prelude's own code runs, its SIMD-shuffle `mma16816` included. The only change to
+  that text: its threadgroup variables become `static` (`threadgroup_storage_static`).
+Both run on cpu_lanes.h: each lane is a fiber (its own stack; the lanes of a threadgroup take turns on the
+calling thread), SIMD-group operations (shuffles, reductions, WARP_BARRIER) synchronize the 32 lanes of one
+warp, BARRIER() a threadgroup, and threadgroups run one after another; a barrier that not all lanes reach is
+reported as a deadlock. g++ (C++20) compiles each source once; the library is cached on disk by a hash of its
+text. This checks indices, masks, splits, merges, the float16 rounding of tensor-core operands and (Metal) that
+the generated source compiles with its address spaces kept apart and fits Apple's 32 KB of threadgroup memory;
+it measures nothing about speed, and a real GPU's memory model and scheduling are not reproduced. Used by the
 tests on machines where MLX has no GPU backend (see tests/conftest.py).
 """
 
