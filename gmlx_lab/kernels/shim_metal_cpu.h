@@ -17,15 +17,17 @@
 //   simdgroup_barrier waits for the SIMD group, threadgroup_barrier for the threadgroup.
 // - math: metal::exp, log, sqrt, rsqrt, floor, fmax, fmin, min, max on float (and int for min/max),
 //   computed by the C++ library in IEEE float32.
-// Not reproduced: Apple's math precision (fast-math exp/log/rsqrt are approximate on the GPU), its simd_sum
-// order, its memory model, threadgroup memory size limits (32 KB), speed.
+// threads.py also checks the kernel's threadgroup memory against Apple's 32 KB. Not reproduced: Apple's math
+// precision (its exp, log, rsqrt may differ in the last bits), its simd_sum order, lanes running concurrently
+// (here they take turns), its memory model, its register limits, speed.
 #pragma once
 
 #include "cpu_lanes.h"
 
-#include <sys/types.h>   // glibc's uint, ushort, ulong (the same types as Metal's on x86-64 Linux)
-
-typedef unsigned char uchar;
+typedef unsigned char uchar;                       // (glibc declares the same uint, ushort and ulong)
+typedef unsigned short ushort;
+typedef unsigned int uint;
+typedef unsigned long ulong;                       // 64 bits, as Metal's, on 64-bit Linux and macOS
 typedef _Float16 half;
 typedef half float16_t;
 
