@@ -36,7 +36,7 @@ import numpy as np
 
 from .build import HERE, INDICES, METAL_CONSTANT_SIZE, METAL_TYPES, assemble, metal_attributes, metal_source, read
 
-CXX = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-Wno-attributes"]
+CXX = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wno-attributes"]
 HEADERS = ("cpu_lanes.h", "prelude_cpu.h", "shim_metal_cpu.h")  # their text joins the cache key
 C_TYPES = {mx.float32: "float", mx.float16: "HALF", mx.uint32: "uint32_t", mx.int32: "int32_t"}
 NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.uint32: np.uint32, mx.int32: np.int32}
