@@ -7,31 +7,40 @@ from mlx_lm.models import llama
 import gmlx_lab  # noqa: F401  (installs the attention hook and registers the caches)
 from gmlx_lab.kernels import active_backend, threads
 
-_on_threads: list[str] = []
+_on_threads: dict[str, list[str]] = {source: [] for source in threads.SOURCES}
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without an MLX GPU backend the `gpu` tests run the kernels' CUDA sources on CPU threads (one per lane,
-    gmlx_lab/kernels/threads.py): the kernels' logic is tested, a GPU is not, and the summary says so."""
-    if active_backend() == "cpu":
-        _on_threads.extend(item.nodeid for item in items if item.get_closest_marker("gpu"))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Without an MLX GPU backend each `gpu` test runs twice on CPU threads (one per lane,
+    gmlx_lab/kernels/threads.py): from the kernels' CUDA sources and from their Metal sources, as
+    mx.fast.metal_kernel generates them. The kernels' logic is tested, a GPU is not, and the summary says so."""
+    if active_backend() == "cpu" and metafunc.definition.get_closest_marker("gpu"):
+        metafunc.parametrize("kernel_source", threads.SOURCES)
+
+
+@pytest.fixture
+def kernel_source() -> str | None:
+    """The source a `gpu` test's kernels run from on CPU threads (parametrized there); None elsewhere."""
+    return None
 
 
 @pytest.fixture(autouse=True)
-def _kernels_on_cpu_threads(request: pytest.FixtureRequest):
-    if active_backend() == "cpu" and request.node.get_closest_marker("gpu"):
-        with threads.on_cpu_threads():
+def _kernels_on_cpu_threads(request: pytest.FixtureRequest, kernel_source: str | None):
+    if kernel_source is not None:
+        _on_threads[kernel_source].append(request.node.nodeid)
+        with threads.on_cpu_threads(kernel_source):
             yield
     else:
         yield
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if _on_threads:
+    if any(_on_threads.values()):
+        cuda, metal = (len(_on_threads[source]) for source in ("cuda", "metal"))
         terminalreporter.write_line(
-            f"ON CPU THREADS, NOT A GPU: {len(_on_threads)} GPU kernel tests ran the kernels' CUDA sources on CPU "
-            "threads (gmlx_lab/kernels/threads.py) because MLX runs on the CPU here; their H200 logs are in "
-            "benchmarks/results/gpu-tests-h200/"
+            f"ON CPU THREADS, NOT A GPU: {cuda} GPU kernel tests ran the kernels' CUDA sources and {metal} their Metal "
+            "sources (as mx.fast.metal_kernel generates them) on CPU threads (gmlx_lab/kernels/threads.py) because "
+            "MLX runs on the CPU here; their H200 logs are in benchmarks/results/gpu-tests-h200/"
         )
 
 

@@ -6,8 +6,8 @@
 - `kvarn_seal`: variance normalization, rounding and packing of records;
 - `kvarn_unpack`: records back to tokens (prefill attention, and K/V for models that read them).
 Kernels take arrays and the layout of `gmlx_lab/records.py`; they know no cache class.
-On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA sources on
-CPU threads there (`threads.py`, one thread per GPU lane).
+On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA and Metal sources
+on CPU threads there (`threads.py`, one fiber per GPU lane).
 """
 
 from .build import active_backend, assemble

@@ -38,6 +38,25 @@ INDICES = {
 }
 
 
+# What mx.fast.metal_kernel (MLX 0.32.4, mlx/backend/common/metal_kernel.cpp) writes around a source:
+# the Metal type of each dtype, the inputs it passes in the `constant` address space (fewer elements than
+# this), and the thread-index arguments it adds, in this order, when their names occur in the source.
+METAL_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.int32: "int32_t",
+               mx.uint32: "uint32_t", mx.int64: "int64_t", mx.uint64: "uint64_t", mx.uint8: "uint8_t",
+               mx.int8: "int8_t", mx.uint16: "uint16_t", mx.int16: "int16_t", mx.bool_: "bool"}
+METAL_CONSTANT_SIZE = 8
+METAL_ATTRIBUTES = {
+    "dispatch_quadgroups_per_threadgroup": "uint", "dispatch_simdgroups_per_threadgroup": "uint",
+    "dispatch_threads_per_threadgroup": "uint3", "grid_origin": "uint3", "grid_size": "uint3",
+    "quadgroup_index_in_threadgroup": "uint", "quadgroups_per_threadgroup": "uint",
+    "simdgroup_index_in_threadgroup": "uint", "simdgroups_per_threadgroup": "uint", "thread_execution_width": "uint",
+    "thread_index_in_quadgroup": "uint", "thread_index_in_simdgroup": "uint", "thread_index_in_threadgroup": "uint",
+    "thread_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
+    "threadgroup_position_in_grid": "uint3", "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3",
+    "threads_per_simdgroup": "uint", "threads_per_threadgroup": "uint3",
+}
+
+
 def active_backend() -> str:
     """'cuda' or 'metal' when MLX runs on that GPU backend, else 'cpu'."""
     if mx.default_device().type != mx.DeviceType.gpu:
@@ -47,6 +66,18 @@ def active_backend() -> str:
     if mx.metal.is_available():
         return "metal"
     return "cpu"
+
+
+def kernel_backend() -> str:
+    """The source that `launch` runs: 'cuda' or 'metal' (on that GPU, or on CPU threads inside
+    `threads.on_cpu_threads`), else 'cpu'. Launch settings that differ per backend follow it."""
+    backend = active_backend()
+    if backend == "cpu":
+        from . import threads
+
+        if threads.enabled():
+            return threads.current_source()
+    return backend
 
 
 def read(name: str) -> str:
@@ -71,6 +102,67 @@ def compact(text: str) -> str:
     return "\n".join(line for line in lines if line.strip()) + "\n"
 
 
+def metal_attributes(source: str) -> list[str]:
+    """The thread-index arguments mx.fast.metal_kernel adds to a kernel whose source (not header) is `source`."""
+    return [attr for attr in METAL_ATTRIBUTES if attr in source]
+
+
+def metal_source(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tuple[int, ...], mx.Dtype]],
+                 template: dict[str, int]) -> tuple[str, str]:
+    """(kernel name, full text) of kernel `name` as mx.fast.metal_kernel (MLX 0.32.4) generates it for these
+    inputs, output dtypes and integer template constants: our header, `template <int ...>`, the
+    `[[kernel]] void` signature (inputs, their `_shape`/`_strides`/`_ndim` when the source names them,
+    outputs, thread-index arguments), the index lines + body, and the template's explicit instantiation.
+    MLX compiles its Metal preamble (<metal_stdlib>, `using namespace metal;`) followed by this text;
+    tests/test_metal_threads.py checks it against MLX's own text."""
+    header, source = (compact(text) for text in assemble(name, "metal"))  # what _kernel gives MLX
+    kname = f"custom_kernel_gmlx_{name}"
+    args = ", ".join(str(int(v)) for v in template.values())
+    if template:  # <6, 6, 1> becomes _6_6_1
+        kname += "_" + f"<{args}>".replace(", ", "_").replace("<", "_").replace(">", "_")[:-1]
+    for a in inputs.values():  # how each input is passed is part of the name: s(calar), c(onstant)
+        kname += "_" + METAL_TYPES[a.dtype] + ("s" if a.ndim == 0 else "c" if a.size < METAL_CONSTANT_SIZE else "")
+    kname += "".join("_" + METAL_TYPES[dtype] for _, dtype in outputs.values())
+
+    text = header
+    if template:
+        text += "template <" + ", ".join(f"int {k}" for k in template) + ">\n"
+    text += f"[[kernel]] void {kname}(\n"
+    index = 0
+    for n, a in inputs.items():
+        space = "constant" if a.size < METAL_CONSTANT_SIZE else "device"
+        text += f"  const {space} {METAL_TYPES[a.dtype]}{'&' if a.ndim == 0 else '*'} {n} [[buffer({index})]],\n"
+        index += 1
+        for suffix, ctype in (("_shape", "int*"), ("_strides", "int64_t*"), ("_ndim", "int&")):
+            if a.ndim > 0 and n + suffix in source:
+                text += f"  const constant {ctype} {n}{suffix} [[buffer({index})]],\n"
+                index += 1
+    attributes = metal_attributes(source)
+    for n, (_, dtype) in outputs.items():
+        # as MLX writes it: `index` also counts the _shape/_strides/_ndim buffers
+        last = index >= len(inputs) + len(outputs) - 1 and not attributes
+        text += f"  device {METAL_TYPES[dtype]}* {n} [[buffer({index})]]" + (") {\n" if last else ",\n")
+        index += 1
+    text += ",\n".join(f"  {METAL_ATTRIBUTES[attr]} {attr} [[{attr}]]" for attr in attributes)
+    text += ") {\n" if attributes else ""
+    text += source + "\n}\n"
+    if template:
+        inst = f"{kname}<{args}>"
+        text += f'\ntemplate [[host_name("{kname}")]] [[kernel]] decltype({inst}) {inst};\n'
+    return kname, text
+
+
+def metal_device_inputs(inputs: dict[str, mx.array]) -> dict[str, mx.array]:
+    """`inputs` with each one of fewer than 8 elements padded to 8 (flattened, zeros after its values).
+
+    mx.fast.metal_kernel passes such small inputs in Metal's `constant` address space, and Metal converts no
+    pointer between address spaces: a body that takes a `GLOBAL_CONST` (`const device`) pointer into one, as
+    split_merge does into a small part_lse or kvarn_decode into its placeholder for absent recent tokens,
+    would not compile. The kernels never read the padding."""
+    return {k: a if a.size >= METAL_CONSTANT_SIZE else mx.pad(a.flatten(), (0, METAL_CONSTANT_SIZE - a.size))
+            for k, a in inputs.items()}
+
+
 @cache
 def _kernel(name: str, backend: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Any:
     header, source = (compact(text) for text in assemble(name, backend))
@@ -84,13 +176,16 @@ def _kernel(name: str, backend: str, inputs: tuple[str, ...], outputs: tuple[str
 def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tuple[int, ...], mx.Dtype]],
            grid: tuple[int, int, int], threadgroup: tuple[int, int, int], template: dict[str, int]) -> list[mx.array]:
     """Run kernel `name` on the active GPU backend; grid counts threads, as in both MLX APIs."""
-    backend = active_backend()
-    if backend == "cpu":
+    backend = kernel_backend()
+    if backend == "metal":
+        inputs = metal_device_inputs(inputs)
+    if active_backend() == "cpu":
         from . import threads
 
-        if threads.enabled():  # tests: the same body on CPU threads (threads.py)
-            return threads.launch(name, inputs, outputs, grid, threadgroup, template)
-        raise RuntimeError(f"kernel {name}: no GPU backend is active (MLX runs on the CPU); use the reference path")
+        if not threads.enabled():
+            raise RuntimeError(f"kernel {name}: no GPU backend is active (MLX runs on the CPU); use the reference path")
+        # tests: the CUDA or Metal source on CPU threads (threads.py), with the inputs that backend would get
+        return threads.launch(name, inputs, outputs, grid, threadgroup, template, source=backend)
     kernel = _kernel(name, backend, tuple(inputs), tuple(outputs))
     return kernel(
         inputs=list(inputs.values()),

@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..records import KvarnParts, Records, unpack_rows
-from .build import launch
+from .build import kernel_backend, launch
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
@@ -36,14 +36,22 @@ def ungroup(x: mx.array, b: int, hq: int, length: int) -> mx.array:
 
 @lru_cache(maxsize=4096)
 def int_params(*values: int) -> mx.array:
-    """A small int32 parameter array, kept so decode steps do not build and upload a new one each call."""
-    return mx.array(values, mx.int32)
+    """A small int32 parameter array, kept so decode steps do not build and upload a new one each call. It has
+    at least 8 entries (zeros after the values), so that build.launch need not pad it for Metal each call."""
+    return mx.array(values + (0,) * (8 - len(values)), mx.int32)
 
 
 @lru_cache(maxsize=64)
 def float_params(*values: float) -> mx.array:
-    """A small float32 parameter array (the softmax scale), kept like `int_params`."""
-    return mx.array(values, mx.float32)
+    """A small float32 parameter array (the softmax scale), kept and padded like `int_params`."""
+    return mx.array(values + (0.0,) * (8 - len(values)), mx.float32)
+
+
+def affine_qb_max(d: int) -> int:
+    """Query vectors per affine_decode threadgroup: QB_MAX, but 3 past head_dim 512 on Metal, where a threadgroup
+    has 32 KB of memory and each query vector takes 4 D bytes + 4.6 KB of it (itself, its softmax weights and
+    the token lanes' outputs): 35 KB for four at head_dim 1024."""
+    return 3 if d > 512 and kernel_backend() == "metal" else QB_MAX
 
 
 def _chunks(nq: int, qb_max: int) -> tuple[int, int]:
@@ -101,9 +109,16 @@ def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dty
 KVARN_WARPS = 4  # warps per kvarn_decode threadgroup; each walks its own run of units
 KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16 tensor-core products
 KVARN_HEAD_DIMS = (128, 256, 512)  # the fused kernel's head dims: whole 128-channel slices, a power of two
+# (512 is also Metal's limit: past it the queries and one slice's outputs fill a threadgroup's 32 KB)
 # One wave of warps on an H200: 132 multiprocessors x 3 threadgroups of 4 warps (the kernel's 158 registers
 # per thread allow 3); more would leave a second, mostly idle wave.
 TARGET_WARPS = 132 * 12
+
+
+def kvarn_warps(d: int) -> int:
+    """Warps per kvarn_decode threadgroup: KVARN_WARPS, but 2 past head_dim 256 on Metal, where a threadgroup
+    has 32 KB of memory: the queries (8 x D floats) and four warps' softmax weights (16.5 KB) do not fit."""
+    return 2 if d > 256 and kernel_backend() == "metal" else KVARN_WARPS
 
 
 def kvarn_units(records: int, recent: int) -> tuple[int, int]:
@@ -111,12 +126,13 @@ def kvarn_units(records: int, recent: int) -> tuple[int, int]:
     return records, 1 + -(-recent // 128)
 
 
-def kvarn_splits(records: int, recent: int, groups: int, per_warp: int | None = None) -> tuple[int, int, int]:
+def kvarn_splits(records: int, recent: int, groups: int, warps: int, per_warp: int | None = None
+                 ) -> tuple[int, int, int]:
     """(units per warp, record splits, fp16 splits): a split (threadgroup) holds units of one kind only, so
     its partial output is in one space (records rotated, fp16 tokens not); about TARGET_WARPS warps run."""
     r, f = kvarn_units(records, recent)
     per = per_warp or -(-(r + f) // -(-TARGET_WARPS // groups))
-    run = per * KVARN_WARPS
+    run = per * warps
     return per, -(-r // run), -(-f // run)
 
 
@@ -134,9 +150,10 @@ def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, c
     nchunk = -(-nq // KVARN_QN)
     sk, sv = parts.sink
     ns, nr = sk.shape[2], parts.recent_tokens
-    per, nsr, nsf = kvarn_splits(r, nr, bh * nchunk, per_warp)
+    warps = kvarn_warps(d)
+    per, nsr, nsf = kvarn_splits(r, nr, bh * nchunk, warps, per_warp)
     if emulate:
-        return (*_kvarn_emulated(qg * scale, parts, length, causal, per * KVARN_WARPS), nsr)
+        return (*_kvarn_emulated(qg * scale, parts, length, causal, per * warps), nsr)
     rk, rv = parts.recent if nr else (mx.zeros((1,), mx.float16),) * 2  # a placeholder the kernel never reads
     cap = rk.shape[2] if nr else 0
     inputs = {"q": qg, "kc": kbody.codes, "ks": kbody.scale_axis, "kz": kbody.zp_axis, "ko": kbody.other_axis,
@@ -146,9 +163,9 @@ def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, c
     part_o, part_lse = launch(
         "kvarn_decode", inputs,
         {"part_o": ((bh, nsr + nsf, nq, d), mx.float32), "part_lse": ((bh, nsr + nsf, nq), mx.float32)},
-        grid=(32 * KVARN_WARPS, nsr + nsf, bh * nchunk), threadgroup=(32 * KVARN_WARPS, 1, 1),
+        grid=(32 * warps, nsr + nsf, bh * nchunk), threadgroup=(32 * warps, 1, 1),
         template={"KB": kbody.bits, "VB": vbody.bits, "S": s, "NQ": nq, "NCHUNK": nchunk, "L": length,
-                  "WARPS": KVARN_WARPS, "QDT": DTYPE_IDS[qg.dtype]},
+                  "WARPS": warps, "QDT": DTYPE_IDS[qg.dtype]},
     )
     return part_o, part_lse, nsr
 
@@ -268,7 +285,7 @@ def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: 
     """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...)."""
     bh, nq, d = qg.shape
     cap = kparts[0].shape[2]
-    qb, nchunk = _chunks(nq, QB_MAX)
+    qb, nchunk = _chunks(nq, affine_qb_max(d))
     tiles = -(-tokens // 128)
     per = 128 * (per_split or split_size(tiles, bh * nchunk))
     nsplit = -(-tokens // per)
