@@ -52,12 +52,14 @@ class AffineCache(GmlxCache):
 
     def _dequantize(self, parts: list[mx.array], dtype: mx.Dtype) -> mx.array:
         codes, scales, biases = parts
-        return mx.dequantize(codes, scales.astype(dtype), biases.astype(dtype), group_size=self.group_size,
-                             bits=self.k_bits)
+        if scales.dtype != dtype:
+            scales, biases = scales.astype(dtype), biases.astype(dtype)
+        return mx.dequantize(codes, scales, biases, group_size=self.group_size, bits=self.k_bits)
 
     def _check_dims(self, keys: mx.array, values: mx.array) -> None:
+        """The first update's head dims must split into groups (later ones must match it: GmlxCache.arrive)."""
         for name, x in (("keys", keys), ("values", values)):
-            if x.shape[-1] % self.group_size:
+            if getattr(x, "ndim", 0) == 4 and x.shape[-1] % self.group_size:
                 raise ValueError(
                     f"{self.where()}: {name} head_dim {x.shape[-1]} is not a multiple of "
                     f"group_size {self.group_size}; use a group size dividing it (32, 64 or 128)"
@@ -72,8 +74,9 @@ class AffineCache(GmlxCache):
                 buf.write(start, part)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._shape is None:
+            self._check_dims(keys, values)
         keys, values = self.arrive(keys, values)
-        self._check_dims(keys, values)
         dtype = keys.dtype
         if self.rotate:
             keys, values = mx.hadamard_transform(keys), mx.hadamard_transform(values)
@@ -89,7 +92,9 @@ class AffineCache(GmlxCache):
         k, v = self._stored(self.offset, dtype)
         if self.rotate:  # hand back K/V in the model's own (unrotated) space
             k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
-        return self._return(k.astype(dtype), v.astype(dtype))
+        if k.dtype != dtype:
+            k, v = k.astype(dtype), v.astype(dtype)
+        return self._return(k, v)
 
     def _stored(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Stored K/V (rotated if `rotate`) as arrays of `dtype`, decoded if quantized."""

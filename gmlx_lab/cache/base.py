@@ -53,7 +53,9 @@ class GmlxCache(_BaseCache):
         self.layer = layer
         self._fetched: tuple[weakref.ref, weakref.ref] | None = None
         self._shape: tuple[int, int, int, int] | None = None  # batch, kv heads, k dim, v dim
+        self._dtype: mx.Dtype | None = None  # of the first update's K/V (None: they differ)
         self._unchecked: list[tuple[mx.array, mx.array]] = []  # arrived K/V not yet in a finiteness batch
+        self._unchecked_tokens = 0
         self._flags: list[tuple[int, int, mx.array]] = []  # (first token, end, all finite) not yet read
 
     def where(self) -> str:
@@ -66,6 +68,21 @@ class GmlxCache(_BaseCache):
 
         Returns keys and values to store (the same values, tied to the check when it is on).
         """
+        if self._like_first(keys, values):  # every check was made on the first update
+            return self._finite(keys, values)
+        return self._first_checks(keys, values)
+
+    def _like_first(self, keys: Any, values: Any) -> bool:
+        """True for K/V with the first update's batch, heads, head dims and dtype (and >= 1 token)."""
+        if self._dtype is None or not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            return False
+        ks, vs = keys.shape, values.shape
+        return (len(ks) == len(vs) == 4 and ks[2] > 0 and ks[:3] == vs[:3]
+                and (ks[0], ks[1], ks[3], vs[3]) == self._shape
+                and keys.dtype == self._dtype and values.dtype == self._dtype)
+
+    def _first_checks(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """`arrive` for an update unlike the last one: every check, with its message."""
         if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
             raise TypeError(f"{self.where()}: keys and values must be mx.array, got "
                             f"{type(keys).__name__} and {type(values).__name__}")
@@ -88,10 +105,16 @@ class GmlxCache(_BaseCache):
             diff = ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, self._shape, shape) if a != b)
             raise ValueError(f"{self.where()}: K/V shape changed between updates ({diff}); a cache holds one "
                              "request's K/V: make a new cache for another shape")
+        self._dtype = keys.dtype if keys.dtype == values.dtype else None
+        return self._finite(keys, values)
+
+    def _finite(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Queue this update for the finiteness check; every FINITE_BATCH tokens, check the queue."""
         if not self.check_finite_on:
             return keys, values
         self._unchecked.append((keys, values))
-        if sum(k.shape[2] for k, _ in self._unchecked) < FINITE_BATCH:
+        self._unchecked_tokens += keys.shape[2]
+        if self._unchecked_tokens < FINITE_BATCH:
             return keys, values
         self.check_finite(keep_last=1)  # the previous batch's flag: computed by now
         # the flag joins this step's graph, so it is computed with the step and reading it never waits
@@ -100,7 +123,7 @@ class GmlxCache(_BaseCache):
     def _batch_flag(self, end: int) -> mx.array:
         """One flag for the K/V that arrived since the last batch, tokens up to `end`."""
         ks, vs = zip(*self._unchecked)
-        self._unchecked = []
+        self._unchecked, self._unchecked_tokens = [], 0
         k, v = (mx.concatenate(xs, axis=2) if len(xs) > 1 else xs[0] for xs in (ks, vs))
         finite = mx.logical_and(mx.all(mx.isfinite(k)), mx.all(mx.isfinite(v)))
         self._flags.append((end - k.shape[2], end, finite))
@@ -180,4 +203,5 @@ class GmlxCache(_BaseCache):
             if name in self.__dict__:
                 setattr(new, name, self.__dict__[name])
         new._flags, new._unchecked = list(self._flags), list(self._unchecked)
+        new._unchecked_tokens, new._dtype = self._unchecked_tokens, self._dtype
         return new

@@ -30,16 +30,16 @@ class GrowingBuffer:
         if self.data is None or end > self.data.shape[2]:
             grow = (x.shape[2] + self.step - 1) // self.step * self.step
             fresh = mx.zeros((*x.shape[:2], grow, x.shape[3]), self.dtype)
-            self.data = fresh if self.data is None else mx.concatenate([self.data[..., :start, :], fresh], axis=2)
-        self.data[..., start:end, :] = x if x.dtype == self.dtype else x.astype(self.dtype)
+            self.data = fresh if self.data is None else mx.concatenate([self.data[:, :, :start], fresh], axis=2)
+        self.data[:, :, start:end] = x if x.dtype == self.dtype else x.astype(self.dtype)
 
     def view(self, end: int) -> mx.array:
         """The first `end` tokens."""
-        return self.data if end == self.data.shape[2] else self.data[..., :end, :]
+        return self.data if end == self.data.shape[2] else self.data[:, :, :end]
 
     def drop_front(self, n: int, end: int) -> None:
         """Forget tokens [0, n) of the `end` held: the rest move to the front (one copy)."""
-        self.data = mx.contiguous(self.data[..., n:end, :]) if end > n else None
+        self.data = mx.contiguous(self.data[:, :, n:end]) if end > n else None
 
     def capacity(self) -> int:
         return 0 if self.data is None else self.data.shape[2]

@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import active_backend, kvarn_attend, kvarn_supported, seal_records, unpack_records
+from ..kernels import MAX_QUERY_TOKENS, active_backend, kvarn_attend, kvarn_supported, seal_records, unpack_records
 from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
 from ..registry import KVARN_HEAD_DIMS, get_scheme
 from .base import GmlxCache, array_bytes
@@ -56,6 +56,7 @@ class KVarNCache(GmlxCache):
         self.body: KV | None = None  # K, V Records, fields (B, H, R, S, ...)
         self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
         self.recent_tokens = 0
+        self.sink_tokens = 0
         self.newest = 0  # tokens of the latest update: never sealed before the next one arrives
         self._prefix: KV | None = None  # the decoded sink + body for decode steps on a GPU (a graph)
 
@@ -68,8 +69,8 @@ class KVarNCache(GmlxCache):
     def region_tokens(self) -> dict[str, int]:
         """How many tokens each region holds now."""
         tail = min(self.recent_tokens, self.kv_tail_tokens)
-        sink = 0 if self.sink is None else self.sink.k.shape[2]
-        return {"sink": sink, "body": self.n_records * TILE, "live": self.recent_tokens - tail, "tail": tail}
+        return {"sink": self.sink_tokens, "body": self.n_records * TILE, "live": self.recent_tokens - tail,
+                "tail": tail}
 
     def parts(self) -> KvarnParts:
         """The arrays the kernels read."""
@@ -78,26 +79,30 @@ class KVarNCache(GmlxCache):
 
     # -- storing --------------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._shape is None:  # later updates must have the first one's shape (GmlxCache.arrive)
+            for name, x in (("keys", keys), ("values", values)):
+                if getattr(x, "ndim", 0) == 4 and x.shape[-1] not in KVARN_HEAD_DIMS:
+                    raise ValueError(f"{self.where()}: kvarn does not accept {name} head_dim {x.shape[-1]}; "
+                                     f"accepted head dims: {', '.join(map(str, KVARN_HEAD_DIMS))}")
         keys, values = self.arrive(keys, values)
-        for name, x in (("keys", keys), ("values", values)):
-            if x.shape[-1] not in KVARN_HEAD_DIMS:
-                raise ValueError(f"{self.where()}: kvarn does not accept {name} head_dim {x.shape[-1]}; "
-                                 f"accepted head dims: {', '.join(map(str, KVARN_HEAD_DIMS))}")
         n = keys.shape[2]
-        room = SINK_TOKENS - (0 if self.sink is None else self.sink.k.shape[2])
-        if room > 0:
-            head = KV(keys[..., :room, :].astype(STORE_DTYPE), values[..., :room, :].astype(STORE_DTYPE))
+        room = SINK_TOKENS - self.sink_tokens
+        if room > 0:  # the first 128 tokens fill the sink
+            head = KV(keys[:, :, :room].astype(STORE_DTYPE), values[:, :, :room].astype(STORE_DTYPE))
             self.sink = head if self.sink is None else KV(*(mx.concatenate([a, b], axis=2)
                                                             for a, b in zip(self.sink, head)))
-            keys, values = keys[..., room:, :], values[..., room:, :]
+            self.sink_tokens += head.k.shape[2]
+            keys, values = keys[:, :, room:], values[:, :, room:]
         if keys.shape[2]:
             self.recent.k.write(self.recent_tokens, keys)
             self.recent.v.write(self.recent_tokens, values)
             self.recent_tokens += keys.shape[2]
         self.offset += n
         self.newest = n
-        self._seal(self.due_groups())
-        return self._return(*self.fetch(keys.dtype, decode_step=n <= 4))
+        due = self.due_groups()
+        if due:
+            self._seal(due)
+        return self._return(*self.fetch(keys.dtype, decode_step=n <= MAX_QUERY_TOKENS))
 
     def due_groups(self) -> int:
         """Complete groups of 128 recent tokens that have left the tail and are older than the latest update."""
@@ -121,7 +126,7 @@ class KVarNCache(GmlxCache):
         tokens = groups * TILE
         new = []
         for buf, bits, kind in ((self.recent.k, self.k_bits, "k"), (self.recent.v, self.v_bits, "v")):
-            chunk = mx.hadamard_transform(buf.data[..., :tokens, :])
+            chunk = mx.hadamard_transform(buf.data[:, :, :tokens])
             if self.on_gpu():
                 new.append(seal_records(chunk, bits, kind, self.norm_iters))
             else:
@@ -155,14 +160,18 @@ class KVarNCache(GmlxCache):
         if decode_step and self.kernel_route(True) == "fused":
             if self._prefix is None:
                 self._prefix = self._decoded_prefix(dtype)
-            prefix = self._prefix
+            pk, pv = self._prefix
         else:
-            prefix = self._decoded_prefix(dtype)
-        parts = [prefix]
-        if self.recent_tokens:
-            parts.append(KV(self.recent.k.view(self.recent_tokens), self.recent.v.view(self.recent_tokens)))
-        return KV(*(mx.concatenate([p[i].astype(dtype) for p in parts], axis=2) if len(parts) > 1
-                    else parts[0][i].astype(dtype) for i in range(2)))
+            pk, pv = self._decoded_prefix(dtype)
+        if pk.dtype != dtype:
+            pk, pv = pk.astype(dtype), pv.astype(dtype)
+        n = self.recent_tokens
+        if not n:
+            return KV(pk, pv)
+        rk, rv = self.recent.k.data[:, :, :n], self.recent.v.data[:, :, :n]
+        if rk.dtype != dtype:
+            rk, rv = rk.astype(dtype), rv.astype(dtype)
+        return KV(mx.concatenate([pk, rk], axis=2), mx.concatenate([pv, rv], axis=2))
 
     def _decoded_prefix(self, dtype: mx.Dtype) -> KV:
         body = self.decoded_body(dtype)
@@ -172,9 +181,10 @@ class KVarNCache(GmlxCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention over every region: the fused kernels on a GPU, else softmax over the fetched K/V."""
-        route = self.kernel_route(kvarn_supported(self.parts(), queries, mask))
+        parts = self.parts()
+        route = self.kernel_route(kvarn_supported(parts, queries, mask))
         if route is not None:
-            return kvarn_attend(queries, scale, mask, self.parts(), emulate=route == "emulated")
+            return kvarn_attend(queries, scale, mask, parts, emulate=route == "emulated")
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def record(self, kind: str, batch: int, head: int, index: int, slice_: int = 0) -> Records:
@@ -192,13 +202,14 @@ class KVarNCache(GmlxCache):
         The latest update's tokens are never sealed yet, so they can always go; sealed records cannot be
         restored exactly and a trim into them is refused.
         """
-        fp16_tokens = self.recent_tokens + (0 if self.body is not None or self.sink is None else self.sink.k.shape[2])
+        fp16_tokens = self.recent_tokens + (0 if self.body is not None else self.sink_tokens)
         n = self.check_trim(n, fp16_tokens, "tokens already sealed into records cannot be restored exactly")
         from_recent = min(n, self.recent_tokens)
         self.recent_tokens -= from_recent
         if n > from_recent:
-            keep = self.sink.k.shape[2] - (n - from_recent)
-            self.sink = KV(self.sink.k[..., :keep, :], self.sink.v[..., :keep, :]) if keep else None
+            keep = self.sink_tokens - (n - from_recent)
+            self.sink = KV(self.sink.k[:, :, :keep], self.sink.v[:, :, :keep]) if keep else None
+            self.sink_tokens = keep
         self.offset -= n
         self.newest = max(0, self.newest - n)
         self._fetched = None
@@ -236,7 +247,7 @@ class KVarNCache(GmlxCache):
         self.__init__(k_bits, v_bits, tail, iters, layer)
         self.offset, self.newest = offset, newest
         if sk is not None:
-            self.sink = KV(sk, sv)
+            self.sink, self.sink_tokens = KV(sk, sv), sk.shape[2]
             self._shape = (sk.shape[0], sk.shape[1], sk.shape[3], sv.shape[3])
         if bk is not None:
             self.body = KV(Records(*bk, bits=k_bits, kind="k"), Records(*bv, bits=v_bits, kind="v"))

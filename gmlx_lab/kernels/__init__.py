@@ -11,10 +11,18 @@ on CPU threads there (`threads.py`, one fiber per GPU lane).
 """
 
 from .build import active_backend, assemble
-from .decode import affine_attend, affine_supported, kvarn_attend, kvarn_supported, merge_splits, unpack_records
+from .decode import (
+           MAX_QUERY_TOKENS,
+           affine_attend,
+           affine_supported,
+           kvarn_attend,
+           kvarn_supported,
+           merge_splits,
+           unpack_records,
+)
 from .seal import seal_records
 
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
-__all__ = ["KERNELS", "active_backend", "assemble", "affine_attend", "affine_supported", "kvarn_attend",
-           "kvarn_supported", "merge_splits", "seal_records", "unpack_records"]
+__all__ = ["KERNELS", "MAX_QUERY_TOKENS", "active_backend", "assemble", "affine_attend", "affine_supported",
+           "kvarn_attend", "kvarn_supported", "merge_splits", "seal_records", "unpack_records"]

@@ -173,23 +173,35 @@ def _kernel(name: str, backend: str, inputs: tuple[str, ...], outputs: tuple[str
                                 source=source, header=header, ensure_row_contiguous=True)
 
 
+@cache
+def _template(items: tuple[tuple[str, int], ...]) -> list[tuple[str, int]]:
+    """The template argument list MLX takes, built once per set of values (decode steps repeat them)."""
+    return [(k, int(v)) for k, v in items]
+
+
 def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tuple[int, ...], mx.Dtype]],
            grid: tuple[int, int, int], threadgroup: tuple[int, int, int], template: dict[str, int]) -> list[mx.array]:
-    """Run kernel `name` on the active GPU backend; grid counts threads, as in both MLX APIs."""
-    backend = kernel_backend()
-    if backend == "metal":
-        inputs = metal_device_inputs(inputs)
-    if active_backend() == "cpu":
+    """Run kernel `name` on the active GPU backend; grid counts threads, as in both MLX APIs.
+
+    A decode step calls this twice per layer, so it does little Python: one backend query, cached kernel
+    objects and template lists."""
+    backend = active_backend()
+    if backend == "cpu":
         from . import threads
 
         if not threads.enabled():
             raise RuntimeError(f"kernel {name}: no GPU backend is active (MLX runs on the CPU); use the reference path")
         # tests: the CUDA or Metal source on CPU threads (threads.py), with the inputs that backend would get
-        return threads.launch(name, inputs, outputs, grid, threadgroup, template, source=backend)
+        source = threads.current_source()
+        if source == "metal":
+            inputs = metal_device_inputs(inputs)
+        return threads.launch(name, inputs, outputs, grid, threadgroup, template, source=source)
+    if backend == "metal":
+        inputs = metal_device_inputs(inputs)
     kernel = _kernel(name, backend, tuple(inputs), tuple(outputs))
     return kernel(
         inputs=list(inputs.values()),
-        template=[(k, int(v)) for k, v in template.items()],
+        template=_template(tuple(template.items())),
         grid=grid,
         threadgroup=threadgroup,
         output_shapes=[s for s, _ in outputs.values()],
