@@ -38,6 +38,7 @@ import json
 import platform
 import pstats
 import statistics
+import subprocess
 import sys
 import time
 from importlib.metadata import version
@@ -64,6 +65,15 @@ DEFAULT_SCHEMES = {"cpu": "mlx_lm_fp16,fp16,affine8,affine4,kvarn6,kvarn4",
 SHAPES = {"llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                             rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)}
+
+
+def git_commit() -> str:
+    """The checkout's commit (what code the numbers come from), or "unknown" outside a git checkout."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def device_name() -> str:
@@ -278,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - t0
     result = {
         "device": device_name(), "backend": active_backend(), "mlx": mx.__version__, "mlx_lm": version("mlx-lm"),
+        "commit": git_commit(),
         "model": model_name(model), "layers": len(model.layers), "weight_bits": args.weights,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine(), "seconds": round(seconds, 1),
