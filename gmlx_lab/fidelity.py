@@ -151,11 +151,12 @@ def fp16_equivalent(cache: Any, decision: Any) -> int:
     first = cache.state[0]
     first = first[0] if isinstance(first, (list, tuple)) else first
     batch = 1 if first is None else first.shape[0]
-    return batch * decision.kv_heads * cache.offset * (decision.k_head_dim + decision.v_head_dim) * 2
+    return batch * decision.kv_heads * cache.held * (decision.k_head_dim + decision.v_head_dim) * 2
 
 
 def _expected_records(cache: KVarNCache) -> int:
-    return region_tokens(cache.offset, cache.kv_tail_tokens, cache.newest)["body"] // TILE
+    sealed = region_tokens(cache.offset, cache.kv_tail_tokens, cache.newest)["body"]
+    return (sealed - cache.dropped) // TILE  # a rolling window dropped the oldest records
 
 
 def _check_layer(cache: Any, d: Any, options: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from . import window
 from .cache import GmlxCache, layer_cache
 from .registry import KVARN_HEAD_DIMS, get_scheme
 
@@ -99,8 +100,9 @@ class Policy:
     """A scheme applied to one model, layer by layer: `str()` is the [kv] line, `as_dict()` the report."""
 
     def __init__(self, model: nn.Module, name: str, scheme: str, options: dict[str, Any],
-                 layers: list[LayerDecision]):
+                 layers: list[LayerDecision], max_kv_size: int | None = None):
         self.model, self.name, self.scheme, self.options, self.layers = model, name, scheme, options, layers
+        self.max_kv_size = max_kv_size  # the rolling window of the growing attention layers (window.py)
 
     @property
     def label(self) -> str:
@@ -123,13 +125,20 @@ class Policy:
         extra = "".join(f", {n} {kind} fp16" for kind, n in others.items())
         why = "; ".join(f"{_group(ix)} fp16: {r}" for r, ix in reasons.items() if r != "fp16 scheme")
         if self.scheme == "fp16":
-            return f"[kv] {self.name}: fp16 -> {len(growing)} attn layers fp16{extra}"
+            return f"[kv] {self.name}: fp16 -> {len(growing)} attn layers fp16{extra}{self._window_note()}"
         if self.scheme == "kvarn" and not self.quantized:
             why = why or "no growing attention layer"
-            return f"[kv] {self.name}: {self.label} -> no layer can use kvarn ({why}) -> running fp16"
+            note = self._window_note()
+            return f"[kv] {self.name}: {self.label} -> no layer can use kvarn ({why}) -> running fp16{note}"
         detail = f" ({why})" if why else ""
         done = f"{len(self.quantized)}/{len(growing)}"
-        return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}"
+        return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._window_note()}"
+
+    def _window_note(self) -> str:
+        if self.max_kv_size is None:
+            return ""
+        how = "quantized" if self.quantized else "fp16"
+        return f"; rolling window of {self.max_kv_size} tokens ({how}: 128-token sink kept, oldest groups of 128 leave)"
 
     def as_dict(self) -> dict[str, Any]:
         """The `kv_quant` report: scheme, widths, options, the summary and every layer's decision."""
@@ -145,10 +154,19 @@ class Policy:
             "bits": bits,
             "options": dict(self.options),
             "summary": str(self),
+            "max_kv_size": self.max_kv_size,
             "quantized_layers": len(self.quantized),
             "attention_layers": sum(d.grows for d in self.layers),
             "layers": [asdict(d) for d in self.layers],
         }
+
+    def windowed(self, max_kv_size: int | None) -> Policy:
+        """The same decisions with a rolling window of `max_kv_size` tokens on the growing attention layers."""
+        chosen = Policy(self.model, self.name, self.scheme, self.options, self.layers, max_kv_size)
+        if max_kv_size is not None:
+            tail = self.options.get("kv_tail_tokens") if self.quantized and self.scheme == "kvarn" else None
+            window.check(max_kv_size, tail, f"{self.name}: {self.label}")
+        return chosen
 
     def make_cache(self) -> PromptCache:
         """Fresh caches, one per entry: ours where the policy decided, the model's own elsewhere."""
@@ -160,6 +178,8 @@ class Policy:
                 out.append(layer_cache("fp16", {}, layer=d.index))
             else:
                 out.append(native)
+            if self.max_kv_size is not None and d.grows and isinstance(out[-1], GmlxCache):
+                out[-1].set_window(self.max_kv_size)
         return out
 
 
@@ -175,9 +195,12 @@ class PromptCache(list):
         """Resident bytes of every entry."""
         return sum(c.nbytes for c in self)
 
-    def seal(self) -> int:
-        """Seal what each kvarn layer has due now (see KVarNCache.seal); returns the records sealed per head."""
-        return sum(c.seal() for c in self if hasattr(c, "seal"))
+    def settle(self) -> None:
+        """Every layer does now what its next update would do first: kvarn seals its due records, rolling
+        windows drop what they no longer hold (GmlxCache.settle). For reports of the steady-state bytes."""
+        for c in self:
+            if isinstance(c, GmlxCache):
+                c.settle()
 
     def regions(self) -> list[dict[str, int]]:
         """Per-layer resident bytes by region (our caches), or one "native" entry for the model's own caches."""
@@ -192,8 +215,13 @@ def model_name(model: nn.Module) -> str:
     return str(name or type(model).__module__.rsplit(".", 1)[-1])
 
 
-def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, **options: Any) -> Policy:
-    """Decide, for each of the model's cache entries, how `scheme` stores it and why."""
+def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, max_kv_size: int | None = None,
+           **options: Any) -> Policy:
+    """Decide, for each of the model's cache entries, how `scheme` stores it and why.
+
+    `max_kv_size`: make the growing attention layers rolling windows of that many tokens (gmlx's --max-kv-size),
+    quantized under the scheme; a window a layer cannot roll (kvarn: smaller than sink + tail + two groups) is
+    refused here."""
     spec = get_scheme(scheme)
     values = spec.resolve(**options)
     probed = probe_layers(model)
@@ -204,13 +232,15 @@ def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, 
         decision, reason = _decide(i, len(probed), kind, kdim, vdim, scheme, values)
         layers.append(LayerDecision(i, kind, decision, reason, type(cache).__name__,
                                     kshape[1] if kshape else None, kdim, vdim))
-    return Policy(model, name or model_name(model), scheme, values, layers)
+    return Policy(model, name or model_name(model), scheme, values, layers).windowed(max_kv_size)
 
 
 def make_cache(model: nn.Module, scheme: str = "kvarn", *, quiet: bool = False, name: str | None = None,
-               **options: Any) -> PromptCache:
-    """Apply the policy and return the caches to pass as `prompt_cache`; prints the [kv] line unless quiet."""
-    chosen = policy(model, scheme, name=name, **options)
+               max_kv_size: int | None = None, **options: Any) -> PromptCache:
+    """Apply the policy and return the caches to pass as `prompt_cache`; prints the [kv] line unless quiet.
+
+    `max_kv_size`: rolling windows of that many tokens for the growing attention layers (see `policy`)."""
+    chosen = policy(model, scheme, name=name, max_kv_size=max_kv_size, **options)
     if not quiet:
         print(chosen, file=sys.stdout)
     return chosen.make_cache()

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from .. import window
 from ..kernels import active_backend
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -49,8 +50,10 @@ class GmlxCache(_BaseCache):
     ATTENTION_PATHS = ("auto", "reference", "fused", "emulated")
 
     def __init__(self, layer: int | None = None):
-        self.offset = 0
+        self.offset = 0  # tokens that arrived (positions keep counting in a rolling window)
         self.layer = layer
+        self.max_kv_size: int | None = None  # a rolling window (gmlx_lab/window.py), or None
+        self.dropped = 0  # tokens the window dropped
         self._fetched: tuple[weakref.ref, weakref.ref] | None = None
         self._shape: tuple[int, int, int, int] | None = None  # batch, kv heads, k dim, v dim
         self._dtype: mx.Dtype | None = None  # of the first update's K/V (None: they differ)
@@ -143,6 +146,37 @@ class GmlxCache(_BaseCache):
                     "accepted: finite K/V (check the model's inputs and dtype)"
                 )
 
+    # -- the rolling window -----------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Tokens the cache holds now: all that arrived, less what a rolling window dropped."""
+        return self.offset - self.dropped
+
+    def window_check(self, max_kv_size: int | None) -> None:
+        """Refuse a window this cache cannot roll (kvarn: it must hold the sink, the tail and two groups)."""
+        window.check(max_kv_size, None, self.where())
+
+    def set_window(self, max_kv_size: int | None) -> None:
+        """Make this (empty) cache a rolling window of `max_kv_size` tokens; None: no window."""
+        if self.offset:
+            raise ValueError(f"{self.where()}: set the window of an empty cache (this one holds {self.offset} tokens)")
+        self.window_check(max_kv_size)
+        self.max_kv_size = max_kv_size
+
+    def settle(self) -> None:
+        """Do now what the next update would do first: roll the window (kvarn also seals its due records), so
+        `nbytes` shows the steady state; the tokens dropped or sealed can no longer be trimmed."""
+        if self.max_kv_size is not None:
+            self._roll(0)
+
+    def _roll(self, newest: int) -> None:
+        """Drop what the rolling window no longer holds (each cache, for its storage)."""
+        raise NotImplementedError
+
+    def held_positions(self) -> list[tuple[int, int]]:
+        """The token positions held, as [start, end) ranges (one range without a window)."""
+        return window.held_positions(self.offset, self.dropped)
+
     # -- the attention seam -----------------------------------------------------------------------
     def fetched(self, keys: Any, values: Any) -> bool:
         """True when keys/values are the very arrays the last update_and_fetch returned."""
@@ -199,7 +233,7 @@ class GmlxCache(_BaseCache):
     def __deepcopy__(self, memo: dict) -> GmlxCache:
         """An independent copy: MLX arrays are values (an update makes new ones), so the copy may share them."""
         new = type(self).from_state(copy.copy(self.state))
-        for name in ("attention_path", "check_finite_on"):
+        for name in ("attention_path", "check_finite_on"):  # switches set on the instance
             if name in self.__dict__:
                 setattr(new, name, self.__dict__[name])
         new._flags, new._unchecked = list(self._flags), list(self._unchecked)

@@ -24,9 +24,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import window
 from ..kernels import MAX_QUERY_TOKENS, active_backend, kvarn_attend, kvarn_supported, seal_records, unpack_records
 from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
 from ..registry import KVARN_HEAD_DIMS, get_scheme
+from ..window import groups_to_drop
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer
 
@@ -102,6 +104,8 @@ class KVarNCache(GmlxCache):
         due = self.due_groups()
         if due:
             self._seal(due)
+        if self.max_kv_size is not None:
+            self._roll(n)
         return self._return(*self.fetch(keys.dtype, decode_step=n <= MAX_QUERY_TOKENS))
 
     def due_groups(self) -> int:
@@ -134,9 +138,26 @@ class KVarNCache(GmlxCache):
         new = [Records(*r.arrays, bits=r.bits, kind=r.kind) for r in new]  # the imbalances are not stored
         self.body = KV(*new) if self.body is None else KV(*(old.concat(r) for old, r in zip(self.body, new)))
         for buf in self.recent:
-            buf.drop_front(tokens, self.recent_tokens)
+            buf.remove(0, tokens, self.recent_tokens)
         self.recent_tokens -= tokens
         self._prefix = None
+
+    def settle(self) -> None:
+        """Seal what is due and roll the window, as the next update would (see GmlxCache.settle)."""
+        self.seal()
+        super().settle()
+
+    def _roll(self, newest: int) -> None:
+        """The rolling window: the oldest whole records leave (gmlx_lab/window.py); the sink and tail stay."""
+        drop = min(groups_to_drop(self.held, self.max_kv_size, newest), self.n_records)
+        if drop:
+            self.body = KV(*(r.drop_first(drop) for r in self.body)) if drop < self.n_records else None
+            self.dropped += drop * TILE
+            self._prefix = None
+
+    def window_check(self, max_kv_size: int | None) -> None:
+        """A kvarn window must hold the sink, the fp16 tail and whole records beside the live group."""
+        window.check(max_kv_size, self.kv_tail_tokens, self.where())
 
     def on_gpu(self) -> bool:
         """Whether this cache seals and decodes with the GPU kernels (a GPU backend, not the reference path)."""
@@ -238,14 +259,15 @@ class KVarNCache(GmlxCache):
         recent = (None, None)
         if self.recent_tokens:
             recent = (self.recent.k.view(self.recent_tokens), self.recent.v.view(self.recent_tokens))
-        meta = (self.offset, self.k_bits, self.v_bits, self.kv_tail_tokens, self.norm_iters, self.layer, self.newest)
+        meta = (self.offset, self.k_bits, self.v_bits, self.kv_tail_tokens, self.norm_iters, self.layer, self.newest,
+                self.max_kv_size, self.dropped)
         return (*sink, *body, *recent, *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest = v
+        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest, max_kv_size, dropped = v
         self.__init__(k_bits, v_bits, tail, iters, layer)
-        self.offset, self.newest = offset, newest
+        self.offset, self.newest, self.max_kv_size, self.dropped = offset, newest, max_kv_size, dropped
         if sk is not None:
             self.sink, self.sink_tokens = KV(sk, sv), sk.shape[2]
             self._shape = (sk.shape[0], sk.shape[1], sk.shape[3], sv.shape[3])
