@@ -10,7 +10,7 @@ it, and token by token each query sees its own window. Token positions (RoPE) ke
 
 from __future__ import annotations
 
-from .records import SINK_TOKENS, TILE
+from .records import SINK_TOKENS, TILE, region_tokens
 
 GROUP = TILE  # tokens that leave together
 
@@ -49,3 +49,18 @@ def held_positions(context: int, dropped: int) -> list[tuple[int, int]]:
     if not dropped:
         return [(0, context)]
     return [(0, SINK_TOKENS), (SINK_TOKENS + dropped, context)]
+
+
+def dropped_tokens(context: int, max_kv_size: int | None) -> int:
+    """Tokens a window has dropped after `context` tokens arrived one at a time: a group of 128 each time it
+    would hold more than `max_kv_size` (so it holds between max_kv_size - 127 and max_kv_size once full)."""
+    if max_kv_size is None or context <= max_kv_size:
+        return 0
+    return -(-(context - max_kv_size) // GROUP) * GROUP
+
+
+def kvarn_regions(context: int, kv_tail_tokens: int, max_kv_size: int | None) -> dict[str, int]:
+    """Tokens in each region of a windowed kvarn layer after `context` tokens one at a time, with "dropped"."""
+    regions = region_tokens(context, kv_tail_tokens)
+    dropped = dropped_tokens(context, max_kv_size)
+    return {**regions, "body": regions["body"] - dropped, "dropped": dropped}

@@ -28,6 +28,7 @@ from .figures import (
     regions_stream,
     sink_mass_figure,
     table_html,
+    window_stream,
 )
 from .quant import AffineRow, affine_row, hadamard, normalize_history, quant_error, record_of
 from .sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
@@ -46,7 +47,7 @@ __all__ = [
     "bytes_label", "channel_figure", "code_histogram", "dense_bytes_per_token", "error_figure", "family_curves",
     "growth_figure", "hadamard", "imbalance_figure", "kl_strip", "layer_bytes", "layer_shapes",
     "normalize_history", "policy_bytes", "policy_strip", "quant_error", "record_bytes", "record_figure",
-    "record_of", "regions_bar", "regions_stream", "sink_mass_figure", "table_html",
+    "record_of", "regions_bar", "regions_stream", "sink_mass_figure", "window_stream", "table_html",
 ]
 
 
