@@ -191,6 +191,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor, to_text
+
+    report = doctor()
+    print(json.dumps(report, indent=2) if args.json else to_text(report))
+    failed = [k for k in report["kernels"] or [] if not k["passed"]]
+    return 1 if failed else 0
+
+
 def find_notebooks() -> Path:
     """The notebooks/ folder: in the current directory, or next to the package (a source checkout)."""
     for folder in (Path.cwd() / "notebooks", PACKAGE_DIR.parent / "notebooks"):
@@ -270,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", action="store_true", help="also print a per-layer table per scheme")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_memory)
+
+    p = sub.add_parser("doctor", help="backend, versions, each kernel's self-check, BLAS")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_doctor)
 
     p = sub.add_parser("schemes", help="the scheme registry: options, defaults, accepted values")
     p.set_defaults(run=cmd_schemes)

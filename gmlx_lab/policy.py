@@ -26,6 +26,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from . import window
 from .cache import GmlxCache, layer_cache
+from .kernels import selfcheck
 from .registry import KVARN_HEAD_DIMS, get_scheme
 
 
@@ -103,6 +104,7 @@ class Policy:
                  layers: list[LayerDecision], max_kv_size: int | None = None):
         self.model, self.name, self.scheme, self.options, self.layers = model, name, scheme, options, layers
         self.max_kv_size = max_kv_size  # the rolling window of the growing attention layers (window.py)
+        self.fallbacks: dict[str, str] = {}  # kernels that failed their self-check, set by make_cache
 
     @property
     def label(self) -> str:
@@ -125,20 +127,23 @@ class Policy:
         extra = "".join(f", {n} {kind} fp16" for kind, n in others.items())
         why = "; ".join(f"{_group(ix)} fp16: {r}" for r, ix in reasons.items() if r != "fp16 scheme")
         if self.scheme == "fp16":
-            return f"[kv] {self.name}: fp16 -> {len(growing)} attn layers fp16{extra}{self._window_note()}"
+            return f"[kv] {self.name}: fp16 -> {len(growing)} attn layers fp16{extra}{self._notes()}"
         if self.scheme == "kvarn" and not self.quantized:
             why = why or "no growing attention layer"
-            note = self._window_note()
+            note = self._notes()
             return f"[kv] {self.name}: {self.label} -> no layer can use kvarn ({why}) -> running fp16{note}"
         detail = f" ({why})" if why else ""
         done = f"{len(self.quantized)}/{len(growing)}"
-        return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._window_note()}"
+        return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._notes()}"
 
-    def _window_note(self) -> str:
-        if self.max_kv_size is None:
-            return ""
-        how = "quantized" if self.quantized else "fp16"
-        return f"; rolling window of {self.max_kv_size} tokens ({how}: 128-token sink kept, oldest groups of 128 leave)"
+    def _notes(self) -> str:
+        """What the [kv] line adds: the rolling window, and kernels that failed their self-check."""
+        notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
+        if self.max_kv_size is not None:
+            how = "quantized" if self.quantized else "fp16"
+            notes.insert(0, f"rolling window of {self.max_kv_size} tokens ({how}: 128-token sink kept, oldest groups "
+                            "of 128 leave)")
+        return "".join(f"; {n}" for n in notes)
 
     def as_dict(self) -> dict[str, Any]:
         """The `kv_quant` report: scheme, widths, options, the summary and every layer's decision."""
@@ -155,6 +160,7 @@ class Policy:
             "options": dict(self.options),
             "summary": str(self),
             "max_kv_size": self.max_kv_size,
+            "kernel_fallbacks": dict(self.fallbacks),
             "quantized_layers": len(self.quantized),
             "attention_layers": sum(d.grows for d in self.layers),
             "layers": [asdict(d) for d in self.layers],
@@ -180,6 +186,11 @@ class Policy:
                 out.append(native)
             if self.max_kv_size is not None and d.grows and isinstance(out[-1], GmlxCache):
                 out[-1].set_window(self.max_kv_size)
+        # on a GPU, each kernel these caches use is self-checked once per process before its first use
+        for c in out:
+            for k in getattr(c, "KERNELS", ()):
+                if c.attention_path != "reference" and not selfcheck.passed(k):
+                    self.fallbacks[k] = selfcheck.failure(k) or ""
         return out
 
 
@@ -241,6 +252,7 @@ def make_cache(model: nn.Module, scheme: str = "kvarn", *, quiet: bool = False, 
 
     `max_kv_size`: rolling windows of that many tokens for the growing attention layers (see `policy`)."""
     chosen = policy(model, scheme, name=name, max_kv_size=max_kv_size, **options)
+    cache = chosen.make_cache()  # first: the [kv] line then says if a kernel failed its self-check
     if not quiet:
         print(chosen, file=sys.stdout)
-    return chosen.make_cache()
+    return cache

@@ -25,6 +25,8 @@ from .fp16 import STORE_DTYPE, GrowingBuffer
 class AffineCache(GmlxCache):
     """K/V quantized per token in groups; fp16 until `quantized_kv_start` tokens have arrived."""
 
+    KERNELS = ("affine_decode",)
+
     def __init__(
         self,
         bits: int = 8,
@@ -120,7 +122,7 @@ class AffineCache(GmlxCache):
 
         keys/values are what update_and_fetch returned (the decoded codes); the fused path does not read them.
         """
-        route = self.kernel_route(self.quantized and affine_supported(queries, mask))
+        route = self.kernel_route(self.quantized and affine_supported(queries, mask), "affine_decode")
         if route is not None:
             parts = [[b.data for b in bufs] for bufs in self.packed]
             return affine_attend(queries, scale, mask, parts, self.held, self.k_bits, self.group_size,

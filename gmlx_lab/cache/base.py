@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .. import window
-from ..kernels import active_backend
+from ..kernels import active_backend, selfcheck
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 CHECK_FINITE_ENV = "GMLX_CHECK_FINITE"
@@ -42,6 +42,7 @@ class GmlxCache(_BaseCache):
     """Base of the gmlx_lab caches: the parts of the contract that do not depend on storage."""
 
     scheme = "?"
+    KERNELS: tuple[str, ...] = ()  # the fused kernels this cache uses on a GPU (each self-checked on first use)
     # the finiteness check of arriving K/V (see the module docstring)
     check_finite_on = os.environ.get(CHECK_FINITE_ENV, "1") != "0"
     # "auto": fused GPU kernels on a GPU backend, the pure-MLX reference on the CPU; "reference" forces the
@@ -189,8 +190,11 @@ class GmlxCache(_BaseCache):
         self._fetched = (weakref.ref(keys), weakref.ref(values))
         return keys, values
 
-    def kernel_route(self, supported: bool) -> str | None:
-        """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path."""
+    def kernel_route(self, supported: bool, kernel: str) -> str | None:
+        """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path.
+
+        The fused route needs `kernel` to have passed its self-check on this GPU (kernels/selfcheck.py);
+        if it failed, "auto" takes the reference path (the check warned) and "fused" is an error."""
         path = self.attention_path
         if path not in self.ATTENTION_PATHS:
             raise ValueError(f"{self.where()}: attention_path={path!r}; accepted: {', '.join(self.ATTENTION_PATHS)}")
@@ -198,7 +202,30 @@ class GmlxCache(_BaseCache):
             return None
         if path == "emulated":
             return "emulated"
-        return "fused" if path == "fused" or active_backend() != "cpu" else None
+        if path == "auto" and active_backend() == "cpu":
+            return None
+        if not selfcheck.passed(kernel):
+            if path == "fused":
+                raise RuntimeError(f"{self.where()}: kernel {kernel} failed its self-check on this GPU "
+                                   f"({selfcheck.failure(kernel)}); use attention_path='auto' or 'reference'")
+            return None
+        return "fused"
+
+    def uses_kernel(self, kernel: str) -> bool:
+        """Whether this cache runs `kernel` (sealing, decoding) rather than its pure-MLX twin: a GPU backend, not
+        the reference path, and a passed self-check."""
+        return self.attention_path != "reference" and active_backend() != "cpu" and selfcheck.passed(kernel)
+
+    def attention_route(self) -> str:
+        """How this cache attends and stores on this machine, in words (the fused kernels, or why not)."""
+        if self.attention_path == "reference" or not self.KERNELS:
+            return "reference (pure MLX)" if self.KERNELS else "mlx.fast.scaled_dot_product_attention"
+        if active_backend() == "cpu":
+            return "reference (pure MLX: no GPU backend)"
+        failed = [f"{k}: {selfcheck.failure(k)}" for k in self.KERNELS if not selfcheck.passed(k)]
+        if failed:
+            return "reference for " + "; ".join(failed) + " (failed self-check)"
+        return "fused kernels: " + ", ".join(self.KERNELS)
 
     # -- contract ---------------------------------------------------------------------------------
     def size(self) -> int:

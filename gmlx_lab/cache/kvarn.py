@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import window
-from ..kernels import MAX_QUERY_TOKENS, active_backend, kvarn_attend, kvarn_supported, seal_records, unpack_records
+from ..kernels import MAX_QUERY_TOKENS, kvarn_attend, kvarn_supported, seal_records, unpack_records
 from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
 from ..registry import KVARN_HEAD_DIMS, get_scheme
 from ..window import groups_to_drop
@@ -39,6 +39,7 @@ class KVarNCache(GmlxCache):
     """kvarn: fp16 sink and recent tokens around a body of bit-packed, variance-normalized records."""
 
     scheme = "kvarn"
+    KERNELS = ("kvarn_decode", "kvarn_seal", "kvarn_unpack")
 
     def __init__(
         self,
@@ -131,7 +132,7 @@ class KVarNCache(GmlxCache):
         new = []
         for buf, bits, kind in ((self.recent.k, self.k_bits, "k"), (self.recent.v, self.v_bits, "v")):
             chunk = mx.hadamard_transform(buf.data[:, :, :tokens])
-            if self.on_gpu():
+            if self.uses_kernel("kvarn_seal"):
                 new.append(seal_records(chunk, bits, kind, self.norm_iters))
             else:
                 new.append(encode_tokens(chunk, bits, kind, self.norm_iters))
@@ -159,16 +160,12 @@ class KVarNCache(GmlxCache):
         """A kvarn window must hold the sink, the fp16 tail and whole records beside the live group."""
         window.check(max_kv_size, self.kv_tail_tokens, self.where())
 
-    def on_gpu(self) -> bool:
-        """Whether this cache seals and decodes with the GPU kernels (a GPU backend, not the reference path)."""
-        return self.attention_path != "reference" and active_backend() != "cpu"
-
     # -- reading -------------------------------------------------------------------------
     def decoded_body(self, dtype: mx.Dtype = mx.float32) -> KV | None:
         """The body's K and V decoded to (B, H, tokens, D) in the model's space (rotated back)."""
         if self.body is None:
             return None
-        decode = unpack_records if self.on_gpu() else decode_tokens
+        decode = unpack_records if self.uses_kernel("kvarn_unpack") else decode_tokens
         return KV(*(mx.hadamard_transform(decode(r, dtype)) for r in self.body))
 
     def fetch(self, dtype: mx.Dtype = mx.float32, decode_step: bool = False) -> KV:
@@ -178,7 +175,7 @@ class KVarNCache(GmlxCache):
         built as a graph once per seal and reused (evaluated only if the model reads the K/V itself, and
         then kept until the next seal, which spares it a decode per step).
         """
-        if decode_step and self.kernel_route(True) == "fused":
+        if decode_step and self.kernel_route(True, "kvarn_decode") == "fused":
             if self._prefix is None:
                 self._prefix = self._decoded_prefix(dtype)
             pk, pv = self._prefix
@@ -203,7 +200,7 @@ class KVarNCache(GmlxCache):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention over every region: the fused kernels on a GPU, else softmax over the fetched K/V."""
         parts = self.parts()
-        route = self.kernel_route(kvarn_supported(parts, queries, mask))
+        route = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode")
         if route is not None:
             return kvarn_attend(queries, scale, mask, parts, emulate=route == "emulated")
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
