@@ -40,7 +40,7 @@ __all__ = [
 # -- scheme specs -----------------------------------------------------------------------------------
 
 _ALIASES = {"tail": "kv_tail_tokens", "g": "group_size", "group": "group_size", "iters": "norm_iters",
-            "start": "quantized_kv_start", "k": "k_bits", "v": "v_bits"}
+            "start": "quantized_kv_start", "k": "k_bits", "v": "v_bits", "ext": "head_dim_ext"}
 _SPLIT = re.compile(r"k(\d+)v(\d+)")
 
 SchemeLike = str | tuple[str, dict[str, Any]] | Policy

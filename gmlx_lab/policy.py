@@ -27,7 +27,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from . import window
 from .cache import GmlxCache, layer_cache
 from .kernels import selfcheck
-from .registry import KVARN_HEAD_DIMS, get_scheme
+from .registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
 
 
 @dataclass
@@ -82,9 +82,14 @@ def _decide(index: int, n: int, kind: str, kdim: int | None, vdim: int | None,
     if scheme == "kvarn":
         if kind == "latent-attention":
             return "fp16", "MLA latent cache: kvarn declines"
+        ext = options.get("head_dim_ext", 0)
         for d in sorted({kdim, vdim}):
+            if d in KVARN_EXT_HEAD_DIMS and ext:
+                return "kvarn", f"growing attention, head_dim {d} by the head-dim extension (records of 128 tokens x " \
+                                f"{d} channels: outside gmlx's format)"
             if d not in KVARN_HEAD_DIMS:
-                return "fp16", f"head_dim {d}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}"
+                hint = " (head_dim_ext=1 takes 64/96)" if d in KVARN_EXT_HEAD_DIMS else ""
+                return "fp16", f"head_dim {d}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}{hint}"
         return "kvarn", "growing attention"
     g = options["group_size"]
     for d in sorted({kdim, vdim}):
@@ -139,6 +144,9 @@ class Policy:
     def _notes(self) -> str:
         """What the [kv] line adds: the rolling window, and kernels that failed their self-check."""
         notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
+        ext = [d.index for d in self.quantized if "extension" in d.reason]
+        if ext:
+            notes.insert(0, f"{_group(ext)} by the head-dim extension: records outside gmlx's format")
         if self.max_kv_size is not None:
             how = "quantized" if self.quantized else "fp16"
             notes.insert(0, f"rolling window of {self.max_kv_size} tokens ({how}: 128-token sink kept, oldest groups "

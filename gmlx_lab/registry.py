@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-KVARN_HEAD_DIMS = (128, 256, 512)
+KVARN_HEAD_DIMS = (128, 256, 512)  # gmlx's: whole 128-channel record slices
+KVARN_EXT_HEAD_DIMS = (64, 96)  # the head-dim extension (option head_dim_ext=1): records of 128 tokens x the head
 KVARN_BITS_ENV = "GMLX_KVARN_BITS"
 
 
@@ -96,7 +97,8 @@ class Scheme:
             return f"{self.name}{values['bits']} g{values['group_size']}"
         kb, vb = values["k_bits"], values["v_bits"]
         width = f"{kb}" if kb == vb else f" k{kb}v{vb}"
-        return f"kvarn{width} tail={values['kv_tail_tokens']}"
+        ext = " ext" if values.get("head_dim_ext") else ""  # the head-dim extension (64/96)
+        return f"kvarn{width} tail={values['kv_tail_tokens']}{ext}"
 
 
 AFFINE_BITS = (2, 3, 4, 6, 8)
@@ -132,6 +134,8 @@ SCHEMES: dict[str, Scheme] = {
                 Option("v_bits", None, "code width for V (default: bits)", KVARN_BITS),
                 Option("kv_tail_tokens", 1024, "newest tokens kept in fp16"),
                 Option("norm_iters", 16, "variance-normalization rounds per record", minimum=0),
+                Option("head_dim_ext", 0, "1: also head dims 64 and 96, records of 128 tokens by the whole head "
+                       "(outside gmlx's format; gmlx declines such layers)", (0, 1)),
             ),
         ),
     )

@@ -34,7 +34,6 @@ def layer_cache(scheme: str, options: dict[str, Any], layer: int | None = None) 
             rotate=scheme == "affine_rot", layer=layer,
         )
     if scheme == "kvarn":
-        return KVarNCache(
-            options["k_bits"], options["v_bits"], options["kv_tail_tokens"], options["norm_iters"], layer=layer
-        )
+        return KVarNCache(options["k_bits"], options["v_bits"], options["kv_tail_tokens"], options["norm_iters"],
+                          layer=layer, head_dim_ext=options.get("head_dim_ext", 0))
     raise ValueError(f"unknown scheme {scheme!r}; accepted: fp16, affine, affine_rot, kvarn")

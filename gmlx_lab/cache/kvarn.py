@@ -27,7 +27,7 @@ import mlx.core as mx
 from .. import window
 from ..kernels import MAX_QUERY_TOKENS, kvarn_attend, kvarn_supported, seal_records, unpack_records
 from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
-from ..registry import KVARN_HEAD_DIMS, get_scheme
+from ..registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
 from ..window import groups_to_drop
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer
@@ -48,10 +48,12 @@ class KVarNCache(GmlxCache):
         kv_tail_tokens: int = 1024,
         norm_iters: int = 16,
         layer: int | None = None,
+        head_dim_ext: int = 0,
     ):
         super().__init__(layer)
         get_scheme("kvarn").check(self.where(), k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens,
-                                  norm_iters=norm_iters)
+                                  norm_iters=norm_iters, head_dim_ext=head_dim_ext)
+        self.head_dim_ext = head_dim_ext  # 1: also head dims 64 and 96 (records outside gmlx's format)
         self.k_bits, self.v_bits = k_bits, v_bits
         self.kv_tail_tokens = kv_tail_tokens
         self.norm_iters = norm_iters
@@ -83,10 +85,13 @@ class KVarNCache(GmlxCache):
     # -- storing --------------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self._shape is None:  # later updates must have the first one's shape (GmlxCache.arrive)
+            accepted = KVARN_HEAD_DIMS + (KVARN_EXT_HEAD_DIMS if self.head_dim_ext else ())
             for name, x in (("keys", keys), ("values", values)):
-                if getattr(x, "ndim", 0) == 4 and x.shape[-1] not in KVARN_HEAD_DIMS:
+                if getattr(x, "ndim", 0) == 4 and x.shape[-1] not in accepted:
+                    ext = "" if self.head_dim_ext else f" ({'/'.join(map(str, KVARN_EXT_HEAD_DIMS))} with the " \
+                                                         "head-dim extension: head_dim_ext=1)"
                     raise ValueError(f"{self.where()}: kvarn does not accept {name} head_dim {x.shape[-1]}; "
-                                     f"accepted head dims: {', '.join(map(str, KVARN_HEAD_DIMS))}")
+                                     f"accepted head dims: {', '.join(map(str, accepted))}{ext}")
         keys, values = self.arrive(keys, values)
         n = keys.shape[2]
         room = SINK_TOKENS - self.sink_tokens
@@ -132,7 +137,7 @@ class KVarNCache(GmlxCache):
         new = []
         for buf, bits, kind in ((self.recent.k, self.k_bits, "k"), (self.recent.v, self.v_bits, "v")):
             chunk = mx.hadamard_transform(buf.data[:, :, :tokens])
-            if self.uses_kernel("kvarn_seal"):
+            if self._shape[2] in KVARN_HEAD_DIMS and self.uses_kernel("kvarn_seal"):  # the kernel's 128-wide tiles
                 new.append(seal_records(chunk, bits, kind, self.norm_iters))
             else:
                 new.append(encode_tokens(chunk, bits, kind, self.norm_iters))
@@ -165,7 +170,8 @@ class KVarNCache(GmlxCache):
         """The body's K and V decoded to (B, H, tokens, D) in the model's space (rotated back)."""
         if self.body is None:
             return None
-        decode = unpack_records if self.uses_kernel("kvarn_unpack") else decode_tokens
+        wide = self._shape[2] in KVARN_HEAD_DIMS  # the kernel's 128-wide tiles
+        decode = unpack_records if wide and self.uses_kernel("kvarn_unpack") else decode_tokens
         return KV(*(mx.hadamard_transform(decode(r, dtype)) for r in self.body))
 
     def fetch(self, dtype: mx.Dtype = mx.float32, decode_step: bool = False) -> KV:
@@ -257,13 +263,13 @@ class KVarNCache(GmlxCache):
         if self.recent_tokens:
             recent = (self.recent.k.view(self.recent_tokens), self.recent.v.view(self.recent_tokens))
         meta = (self.offset, self.k_bits, self.v_bits, self.kv_tail_tokens, self.norm_iters, self.layer, self.newest,
-                self.max_kv_size, self.dropped)
+                self.max_kv_size, self.dropped, self.head_dim_ext)
         return (*sink, *body, *recent, *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest, max_kv_size, dropped = v
-        self.__init__(k_bits, v_bits, tail, iters, layer)
+        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest, max_kv_size, dropped, ext = v
+        self.__init__(k_bits, v_bits, tail, iters, layer, ext)
         self.offset, self.newest, self.max_kv_size, self.dropped = offset, newest, max_kv_size, dropped
         if sk is not None:
             self.sink, self.sink_tokens = KV(sk, sv), sk.shape[2]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..policy import Policy, probe_layers
-from ..records import TILE, record_bytes, region_tokens
+from ..records import TILE, record_bytes, region_tokens, slice_width
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ def layer_bytes(shape: LayerShape, decision: str, context: int, options: dict[st
     if decision == "kvarn":
         regions = region_tokens(tokens, options["kv_tail_tokens"])
         n_rec = regions["body"] // TILE
-        body = n_rec * (shape.k_dim // TILE * record_bytes(options["k_bits"]) +
-                        shape.v_dim // TILE * record_bytes(options["v_bits"]))
+        body = n_rec * sum(d // slice_width(d) * record_bytes(options[f"{kind}_bits"], slice_width(d), kind)
+                           for kind, d in (("k", shape.k_dim), ("v", shape.v_dim)))
         fp16_tokens = tokens - regions["body"]
         return shape.kv_heads * (body + fp16_tokens * width * per_value_fp16)
     raise ValueError(f"unknown decision {decision!r}")
