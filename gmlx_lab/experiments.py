@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from .fidelity import SchemeLike, parse_scheme_spec
 from .metrics import kl_from_logprobs
@@ -38,8 +38,8 @@ from .records import region_tokens
 __all__ = [
     "PASSKEY_FORMAT", "DraftResult", "DraftRun", "PasskeyFormat", "PasskeyPrompt", "PasskeyResult", "PasskeyTrial",
     "WeightsKVResult", "choose_policy", "decode_logprobs", "draft_acceptance", "greedy_tokens", "layer_skip_draft",
-    "needle_storage", "passkey", "passkey_prompt", "prefill", "quantize_weights", "random_key", "speculative_run",
-    "stored_prefix", "weights_and_kv",
+    "needle_storage", "passkey", "passkey_prompt", "prefill", "quantize_weights", "random_key", "sliding_window",
+    "speculative_run", "stored_prefix", "weights_and_kv",
 ]
 
 
@@ -128,7 +128,7 @@ class PasskeyPrompt:
     context: list[int]
     question: list[int]
     needle_start: int  # token index of the needle in `context`
-    needle_end: int
+    key_start: int  # token index where the key's digits begin (within a token)
 
     @property
     def length(self) -> int:
@@ -139,6 +139,11 @@ class PasskeyPrompt:
     def depth(self) -> float:
         """Where the needle starts, as a share of the context."""
         return self.needle_start / len(self.context)
+
+    @property
+    def distance(self) -> int:
+        """Tokens from the key to the end of the prompt: past a sliding window, only global layers can see it."""
+        return self.length - self.key_start
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -165,7 +170,8 @@ def passkey_prompt(tokenizer: Any, length: int, depth: float, key: str,
     before = round(depth * units)
     context = intro + unit * before + needle + unit * (units - before)
     start = len(intro) + len(unit) * before
-    return PasskeyPrompt(key, context, question, start, start + len(needle))
+    key_start = start + len(_ids(tokenizer, fmt.needle.split("{key}")[0].rstrip()))
+    return PasskeyPrompt(key, context, question, start, key_start)
 
 
 def random_key(rng: np.random.Generator, digits: int = 5) -> str:
@@ -181,7 +187,7 @@ class PasskeyTrial:
     length: int  # the length asked for (the grid's column)
     depth: float  # the depth asked for (the grid's row)
     tokens: int  # the prompt's real length
-    needle_start: int
+    distance: int  # tokens from the key to the end of the prompt
     key: str
     answer: str
     correct: bool
@@ -194,11 +200,15 @@ def needle_storage(chosen: Policy, prompt: PasskeyPrompt) -> str:
         return "fp16"
     if chosen.scheme != "kvarn":
         return "quantized"
-    tail = chosen.options["kv_tail_tokens"]
-    regions = region_tokens(prompt.length, tail, newest=len(prompt.question))
+    regions = region_tokens(prompt.length, chosen.options["kv_tail_tokens"], newest=len(prompt.question))
     ends = np.cumsum([regions[r] for r in ("sink", "body", "live", "tail")])
-    first_key_token = prompt.needle_start + 4  # "The pass key is": the digits follow
-    return ("sink", "records", "live", "tail")[int(np.searchsorted(ends, first_key_token, side="right"))]
+    return ("sink", "records", "live", "tail")[int(np.searchsorted(ends, prompt.key_start, side="right"))]
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The model's smallest sliding window (its RotatingKVCache size), None if it has none."""
+    sizes = [c.max_size for c in make_prompt_cache(model) if isinstance(c, RotatingKVCache)]
+    return min(sizes) if sizes else None
 
 
 @dataclass
@@ -212,6 +222,7 @@ class PasskeyResult:
     depths: list[float]
     keys_per_cell: int
     share_prefill: bool
+    window: int | None  # the model's sliding window: keys farther than this from the question need global layers
     trials: list[PasskeyTrial] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -228,6 +239,11 @@ class PasskeyResult:
         """Share of all trials of one scheme that recalled the key."""
         return float(np.mean([t.correct for t in self.trials if t.label == label]))
 
+    def accuracy_beyond_window(self, label: str) -> float:
+        """Share of a scheme's trials that recalled a key farther from the question than the sliding window."""
+        hits = [t.correct for t in self.trials if t.label == label and self.window and t.distance > self.window]
+        return float(np.mean(hits)) if hits else float("nan")
+
     def stored_in(self, label: str) -> dict[str, int]:
         """How many of a scheme's trials held the needle in each region."""
         out: dict[str, int] = {}
@@ -239,25 +255,39 @@ class PasskeyResult:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "labels": self.labels, "policies": self.policies, "lengths": self.lengths,
                 "depths": self.depths, "keys_per_cell": self.keys_per_cell, "share_prefill": self.share_prefill,
-                "seconds": round(self.seconds, 1),
+                "window": self.window, "seconds": round(self.seconds, 1),
                 "accuracy": {label: self.accuracy(label) for label in self.labels},
+                "accuracy_beyond_window": {label: _none_if_nan(self.accuracy_beyond_window(label))
+                                           for label in self.labels},
                 "grids": {label: self.grid(label).tolist() for label in self.labels},
                 "trials": [asdict(t) for t in self.trials]}
 
     def to_markdown(self) -> str:
-        """One row per scheme: accuracy overall and per length, and where kvarn stored the needle."""
-        head = "| scheme | accuracy | " + " | ".join(f"{n} tokens" for n in self.lengths) + " | needle stored |"
-        rows = [head, "|" + "---|" * (len(self.lengths) + 3)]
+        """One row per scheme: accuracy overall, per length and past the sliding window; where the needle was kept."""
+        beyond = f" key > {self.window} tokens back |" if self.window else ""
+        lengths = " | ".join(f"{n} tokens" for n in self.lengths)
+        head = f"| scheme | accuracy | {lengths} |{beyond} needle stored |"
+        rows = [head, "|" + "---|" * (len(self.lengths) + 3 + bool(self.window))]
         for label in self.labels:
             g = self.grid(label)
             per_length = " | ".join(f"{100 * np.nanmean(g[:, j]):.0f}%" for j in range(len(self.lengths)))
+            far = f" {_pct(self.accuracy_beyond_window(label))} |" if self.window else ""
             stored = ", ".join(f"{k} {v}" for k, v in self.stored_in(label).items())
-            rows.append(f"| {label} | {100 * self.accuracy(label):.0f}% | {per_length} | {stored} |")
-        return "\n".join(rows) + (f"\n\n{self.model}: depths {self.depths}, {self.keys_per_cell} key(s) per cell, "
-                                  "greedy answer")
+            rows.append(f"| {label} | {100 * self.accuracy(label):.0f}% | {per_length} |{far} {stored} |")
+        return "\n".join(rows) + (f"\n\n{self.model}: needle depths {self.depths}, {self.keys_per_cell} key(s) per "
+                                  "cell, greedy answer; needle stored: the region that held the key in the quantized "
+                                  "layers (kvarn) when the question arrived")
 
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
+
+
+def _pct(x: float) -> str:
+    return "-" if np.isnan(x) else f"{100 * x:.0f}%"
+
+
+def _none_if_nan(x: float) -> float | None:
+    return None if np.isnan(x) else x
 
 
 def passkey(
@@ -288,7 +318,7 @@ def passkey(
     if len(set(labels)) != len(labels):
         raise ValueError(f"schemes repeat: {labels}")
     result = PasskeyResult(model_name(model), labels, {p.label: str(p) for p in policies}, list(lengths),
-                           list(depths), keys_per_cell, share_prefill)
+                           list(depths), keys_per_cell, share_prefill, sliding_window(model))
     reference = policy(model, "fp16")
     rng = np.random.default_rng(seed)
     cells = [(n, d) for n in lengths for d in depths for _ in range(keys_per_cell)]
@@ -312,7 +342,7 @@ def passkey(
                 cache.seal()
             answer = tokenizer.decode(greedy_tokens(model, prompt.question, cache, digits + 2))
             found = re.search(r"\d+", answer)
-            result.trials.append(PasskeyTrial(chosen.label, n, d, prompt.length, prompt.needle_start, prompt.key,
+            result.trials.append(PasskeyTrial(chosen.label, n, d, prompt.length, prompt.distance, prompt.key,
                                               answer, found is not None and found.group() == prompt.key,
                                               needle_storage(chosen, prompt)))
             if bar is not None:
@@ -566,7 +596,7 @@ class WeightsKVResult:
         return self.cell(weights, kv)["mean_kl"] / alone if alone > 0 else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
-        rows = [{**r, "compounding": self.compounding(r["weights"], r["kv"])} for r in self.rows]
+        rows = [{**r, "compounding": _none_if_nan(self.compounding(r["weights"], r["kv"]))} for r in self.rows]
         return {"model": self.model, "prefill": self.prefill, "decode": self.decode, "group_size": self.group_size,
                 "simulate": self.simulate, "rows": rows}
 
