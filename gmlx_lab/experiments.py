@@ -136,8 +136,8 @@ class PasskeyPrompt:
         return len(self.context) + len(self.question)
 
     @property
-    def depth(self) -> float:
-        """Where the needle starts, as a share of the context."""
+    def position(self) -> float:
+        """Where the needle starts, as a share of the context (the intro included)."""
         return self.needle_start / len(self.context)
 
     @property
@@ -152,7 +152,8 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 def passkey_prompt(tokenizer: Any, length: int, depth: float, key: str,
                    fmt: PasskeyFormat = PASSKEY_FORMAT) -> PasskeyPrompt:
-    """A prompt of about `length` tokens (whole filler units, so within one unit of it), needle at `depth`.
+    """A prompt of about `length` tokens (whole filler units, so within one unit of it), the needle after
+    the share `depth` of the filler units (0: right after the intro, 1: just before the question).
 
     The pieces are tokenized apart and joined, so the needle sits exactly between two filler units
     and its tokens are the same at every depth and length.
