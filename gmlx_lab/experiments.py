@@ -128,7 +128,7 @@ class PasskeyPrompt:
     context: list[int]
     question: list[int]
     needle_start: int  # token index of the needle in `context`
-    key_start: int  # token index where the key's digits begin (within a token)
+    key_start: int  # token index right after the needle's opening words: the key (or the space before it)
 
     @property
     def length(self) -> int:
