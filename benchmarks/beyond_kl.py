@@ -38,6 +38,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "passkey": {"schemes": ["fp16", "affine2", "affine3", "affine4", "kvarn2:tail=0", "kvarn2:tail=128",
                                 "kvarn3:tail=0"],
                     "lengths": [768, 1536], "depths": [0.1, 0.4, 0.7], "keys_per_cell": 1},
+        # more keys where it is decided: past the 512-token window, in kvarn's records, the borderline widths
+        "passkey_far": {"schemes": ["fp16", "affine3", "affine4", "kvarn2:tail=0", "kvarn3:tail=0"],
+                        "lengths": [1536], "depths": [0.15, 0.25, 0.35], "keys_per_cell": 1, "seed": 1},
         # the shared fp16 prefill against each scheme's own prefill, on a few cells
         "passkey_own_prefill": {"schemes": ["affine2", "kvarn2:tail=0"], "lengths": [768], "depths": [0.1, 0.4],
                                 "keys_per_cell": 1},
@@ -65,6 +68,7 @@ METHODS = {
                 "through its own cache stores); the question ('What is the pass key? The pass key is') arrives "
                 "as one update and 7 tokens are decoded greedily. Correct: the first run of digits in the answer "
                 "is the key. The model's own per-layer policy applies."),
+    "passkey_far": "As passkey (other random keys: seed 1), on keys 900-1300 tokens before the question.",
     "passkey_own_prefill": ("As passkey, but each scheme prefills the context through its own cache (one chunk of "
                             "up to 2048 tokens), so affine's deeper layers also see its error during the prefill."),
     "draft": ("Greedy speculative decoding with mlx-lm's speculative_generate_step. The draft is the target's own "
@@ -93,9 +97,10 @@ def machine() -> dict[str, Any]:
 
 def run_section(name: str, cfg: dict[str, Any], model: Any, tokenizer: Any) -> dict[str, Any]:
     """One section: its result as a dict, with a markdown table."""
-    if name in ("passkey", "passkey_own_prefill"):
+    if name.startswith("passkey"):
         result = passkey(model, tokenizer, cfg["schemes"], cfg["lengths"], cfg["depths"],
-                         keys_per_cell=cfg["keys_per_cell"], share_prefill=name == "passkey", progress=True)
+                         keys_per_cell=cfg["keys_per_cell"], seed=cfg.get("seed", 0),
+                         share_prefill=name != "passkey_own_prefill", progress=True)
         return {"result": result.to_dict(), "markdown": result.to_markdown()}
     if name == "draft":
         prompts = eval_prompts(tokenizer, model, cfg["prompts"], cfg["prompt_tokens"])
