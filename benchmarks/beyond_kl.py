@@ -90,7 +90,7 @@ METHODS = {
 def machine() -> dict[str, Any]:
     """Where the numbers were measured."""
     return {"device": "cpu", "platform": platform.platform(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg(),
+            "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
             "python": platform.python_version(), "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
             "blas_preload": os.environ.get("LD_PRELOAD", "")}
 
@@ -134,13 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(out.read_text()) if out.is_file() else {"model": args.model, "sections": {}}
     model, tokenizer = load_model(args.model)
     for name in sections:
+        where = machine()
         start = time.perf_counter()
         body = run_section(name, preset[name], model, tokenizer)
         seconds = time.perf_counter() - start
+        where["load_average_after"] = os.getloadavg()  # the machine is shared: 1, 5 and 15-minute load, ours included
         data["sections"][name] = {
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "method": METHODS[name], "sizes": preset[name], "seconds": round(seconds, 1),
+            "machine": where, "method": METHODS[name], "sizes": preset[name], "seconds": round(seconds, 1),
             **body}
         RESULTS.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1) + "\n")
