@@ -189,7 +189,7 @@ def test_gemma_retrieves_a_passkey_under_fp16(gemma: dict) -> None:
 def test_layer_skip_draft_shares_the_weights_and_has_its_own_caches(teaching) -> None:
     model, _ = teaching
     draft = layer_skip_draft(model, 3)
-    assert len(draft.layers) == 3 and len(model.layers) == 8  # the target is unchanged
+    assert len(draft.layers) == 3 and len(model.layers) == 8 and model.gmlx_name == "teaching-llama"  # target unchanged
     assert draft.model.embed_tokens is model.model.embed_tokens and draft.layers[2] is model.layers[2]
     assert len(make_prompt_cache(draft)) == 3
     with pytest.raises(ValueError, match="between 1 and 8"):
@@ -273,7 +273,7 @@ def test_cli_passkey_draft_and_weights_kv(capsys) -> None:
 
 
 def test_figures_draw_live_and_stored_results(teaching) -> None:
-    stub = passkey(Oracle(), ByteTokenizer(), ["fp16", "kvarn4:tail=0"], lengths=[400, 450], depths=[0.2, 0.5, 0.8])
+    stub = passkey(Oracle(), ByteTokenizer(), ["fp16", "kvarn4:tail=0"], lengths=[400, 450], depths=[0.3, 0.7])
     model, tok = teaching
     draft = draft_acceptance(model, tok, layer_skip_draft(model, 8), ["fp16", "affine4"], [eval_tokens(tok, 100)],
                              max_tokens=4)
@@ -285,5 +285,5 @@ def test_figures_draw_live_and_stored_results(teaching) -> None:
             fig = build(data)
             assert isinstance(fig, go.Figure) and len(fig.data) == traces
     heat = viz.passkey_heatmaps(stub)
-    assert heat.data[0].z.shape == (3, 2) and "baseline" in heat.layout.annotations[0].text
+    assert heat.data[0].z.shape == (2, 2) and "baseline" in heat.layout.annotations[0].text
     assert len(viz.weights_kv_positions(weights, "8-bit").data) == 2
