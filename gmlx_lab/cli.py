@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gemma3-270m (default: the bundled teaching-llama cannot retrieve a passkey), or another")
     p.add_argument("--schemes", default=PASSKEY_SCHEMES, help=f"comma-separated specs (default {PASSKEY_SCHEMES})")
     p.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens (default 1024,2048)")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, shares of the context (default 0.1,0.5,0.9)")
+    p.add_argument("--depths", default="0.1,0.5,0.9",
+                   help="needle depths: share of the filler before the needle (default 0.1,0.5,0.9)")
     p.add_argument("--keys", type=int, default=1, help="random keys per cell (default 1)")
     p.add_argument("--digits", type=int, default=5, help="digits of the passkey (default 5)")
     p.add_argument("--seed", type=int, default=0)
