@@ -1,9 +1,12 @@
-"""The `gmlx-lab` command: compare, fidelity, policy, memory and lab.
+"""The `gmlx-lab` command: compare, fidelity, policy, memory, passkey, draft, weights-kv and lab.
 
     gmlx-lab policy llama                      # the [kv] line and per-layer decisions of a specimen
     gmlx-lab fidelity --schemes affine4,kvarn4:tail=128 --prefill 1400 --decode 128
     gmlx-lab compare --schemes fp16,affine2,kvarn6
     gmlx-lab memory --context 4096
+    gmlx-lab passkey --schemes fp16,affine2,kvarn2:tail=0 --lengths 1024,2048   # Gemma 3 270M by default
+    gmlx-lab draft --schemes fp16,affine4,kvarn4:tail=0 --draft-layers 4
+    gmlx-lab weights-kv --weight-bits fp16,8,4,3 --schemes fp16,affine4,kvarn4:tail=0
     gmlx-lab lab                               # JupyterLab on the notebooks/ folder
 
 `--model` picks the model: the bundled teaching-llama by default, "smollm2-135m", "gemma3-270m",
@@ -32,6 +35,9 @@ EVAL_TEXT = PACKAGE_DIR / "data" / "eval_text.txt"
 FIDELITY_SCHEMES = "fp16,affine4,affine8,kvarn4:tail=128,kvarn4,kvarn6"
 COMPARE_SCHEMES = "fp16,affine2,affine4,kvarn4:tail=128,kvarn6:tail=128"
 MEMORY_SCHEMES = "fp16,affine4,affine8,kvarn4,kvarn6,kvarn6:tail=128"
+PASSKEY_SCHEMES = "fp16,affine2,affine4,kvarn2:tail=0,kvarn2:tail=128"
+DRAFT_SCHEMES = "fp16,affine2,affine4,kvarn2:tail=0,kvarn4:tail=0"
+WEIGHTS_KV_SCHEMES = "fp16,affine4,kvarn4:tail=0"
 
 
 def load_model(name: str | None) -> tuple[nn.Module, Any]:
@@ -200,6 +206,78 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def number_list(text: str, kind: type = int) -> list[Any]:
+    """"1024,2048" -> [1024, 2048]; "0.1,0.5" with kind=float -> [0.1, 0.5]; a ValueError names a bad item."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            out.append(kind(part))
+        except ValueError:
+            raise ValueError(f"cannot read {part!r} in {text!r} as {kind.__name__}") from None
+    if not out:
+        raise ValueError("an empty list")
+    return out
+
+
+def cmd_passkey(args: argparse.Namespace) -> int:
+    from .experiments import passkey
+
+    specs = scheme_list(args.schemes)
+    lengths, depths = number_list(args.lengths), number_list(args.depths, float)
+    model, tokenizer = load_model(args.model)
+    if tokenizer is None:
+        raise ValueError(f"{args.model}: passkey needs a model with a tokenizer")
+    result = passkey(model, tokenizer, specs, lengths, depths, keys_per_cell=args.keys, digits=args.digits,
+                     seed=args.seed, share_prefill=not args.own_prefill, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.to_markdown())
+        print(f"({result.seconds:.1f} s)")
+    return 0
+
+
+def eval_prompts(tokenizer: Any, model: nn.Module, count: int, tokens: int) -> list[list[int]]:
+    """`count` prompts of `tokens` ids from different places of the bundled evaluation text."""
+    ids = encode(tokenizer, model, _read_text(None))
+    stride = len(ids) // max(count, 1)
+    if stride < tokens:
+        raise ValueError(f"{count} prompts of {tokens} tokens do not fit in the evaluation text ({len(ids)} tokens)")
+    return [ids[i * stride : i * stride + tokens] for i in range(count)]
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    from .experiments import draft_acceptance, layer_skip_draft
+
+    specs = scheme_list(args.schemes)
+    model, tokenizer = load_model(args.model)
+    draft = layer_skip_draft(model, args.draft_layers)
+    prompts = eval_prompts(tokenizer, model, args.prompts, args.prompt_tokens)
+    result = draft_acceptance(model, tokenizer, draft, specs, prompts, num_draft_tokens=args.num_draft,
+                              max_tokens=args.max_tokens)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.to_markdown())
+    return 0
+
+
+def cmd_weights_kv(args: argparse.Namespace) -> int:
+    from .experiments import weights_and_kv
+
+    specs = scheme_list(args.schemes)
+    bits = [None if b.strip() == "fp16" else int(b) for b in args.weight_bits.split(",") if b.strip()]
+    model, tokenizer = load_model(args.model)
+    tokens = encode(tokenizer, model, _read_text(args.text_file))
+    result = weights_and_kv(model, tokens, bits, specs, prefill=args.prefill, decode=args.decode,
+                            group_size=args.group_size, simulate=not args.real_quantized, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.to_markdown())
+    return 0
+
+
 def find_notebooks() -> Path:
     """The notebooks/ folder: in the current directory, or next to the package (a source checkout)."""
     for folder in (Path.cwd() / "notebooks", PACKAGE_DIR.parent / "notebooks"):
@@ -283,6 +361,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="backend, versions, each kernel's self-check, BLAS")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_doctor)
+
+
+    p = sub.add_parser("passkey", parents=[quiet], help="passkey retrieval per scheme over depths x lengths")
+    p.add_argument("--model", default="gemma3-270m",
+                   help="gemma3-270m (default: the bundled teaching-llama cannot retrieve a passkey), or another")
+    p.add_argument("--schemes", default=PASSKEY_SCHEMES, help=f"comma-separated specs (default {PASSKEY_SCHEMES})")
+    p.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens (default 1024,2048)")
+    p.add_argument("--depths", default="0.1,0.5,0.9",
+                   help="needle depths: share of the filler before the needle (default 0.1,0.5,0.9)")
+    p.add_argument("--keys", type=int, default=1, help="random keys per cell (default 1)")
+    p.add_argument("--digits", type=int, default=5, help="digits of the passkey (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--own-prefill", action="store_true",
+                   help="prefill each scheme through its own cache (default: one fp16 prefill, stored by each scheme)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_passkey)
+
+    p = sub.add_parser("draft", parents=[model], help="speculative decoding: draft acceptance per target cache scheme")
+    p.add_argument("--schemes", default=DRAFT_SCHEMES, help=f"target cache specs (default {DRAFT_SCHEMES})")
+    p.add_argument("--draft-layers", type=int, default=4,
+                   help="the draft is the target's first N layers, sharing its weights (default 4; all layers: the "
+                        "target itself with an fp16 cache)")
+    p.add_argument("--prompts", type=int, default=2, help="prompts from the evaluation text (default 2)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt (default 512)")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    p.add_argument("--num-draft", type=int, default=3, help="draft tokens per verify step (default 3)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_draft)
+
+    p = sub.add_parser("weights-kv", parents=[model, quiet],
+                       help="KL of quantized weights x KV schemes against fp16 weights with an fp16 cache")
+    p.add_argument("--weight-bits", default="fp16,8,4,3", help="weight widths, fp16 for the model's own (default "
+                                                                 "fp16,8,4,3)")
+    p.add_argument("--schemes", default=WEIGHTS_KV_SCHEMES, help=f"KV specs (default {WEIGHTS_KV_SCHEMES})")
+    p.add_argument("--prefill", type=int, default=1024, help="prefill tokens (default 1024)")
+    p.add_argument("--decode", type=int, default=64, help="tokens decoded one at a time and scored (default 64)")
+    p.add_argument("--group-size", type=int, default=64, help="weight quantization group size (default 64)")
+    p.add_argument("--real-quantized", action="store_true",
+                   help="run nn.quantize's quantized matmuls (default: the same dequantized weights in float "
+                        "matmuls, several times faster on the CPU)")
+    p.add_argument("--text-file", default=None, help="default: the bundled evaluation text")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_weights_kv)
 
     p = sub.add_parser("schemes", help="the scheme registry: options, defaults, accepted values")
     p.set_defaults(run=cmd_schemes)

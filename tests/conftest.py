@@ -1,11 +1,15 @@
-"""Shared fixtures: a tiny random-weight mlx-lm llama with head_dim 128 (no download)."""
+"""Shared fixtures: a tiny random-weight mlx-lm llama with head_dim 128 (no download), Gemma 3 270M once per session."""
+
+import time
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
 import gmlx_lab  # noqa: F401  (installs the attention hook and registers the caches)
+from gmlx_lab import models
 from gmlx_lab.kernels import active_backend, threads
+from gmlx_lab.models import gemma3
 
 _on_threads: dict[str, list[str]] = {source: [] for source in threads.SOURCES}
 
@@ -69,3 +73,22 @@ def random_kv(tokens: int, heads: int = 2, dim: int = 128, seed: int = 0) -> tup
     k = k * mx.where(mx.arange(dim) % 37 == 3, 20.0, 1.0)
     v = mx.random.normal((1, heads, tokens, dim))
     return k, v
+
+
+@pytest.fixture(scope="session")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Convert gemma3-270m from its PyPI GGUF into a fresh cache and load it (float32), once per session."""
+    if not gemma3.gguf_available():
+        pytest.fail(f"gemma3-270m needs its PyPI packages: {gemma3.INSTALL_COMMAND}")
+    cache = tmp_path_factory.mktemp("gmlx_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GMLX_LAB_CACHE", str(cache))
+        before = {m.name: m for m in models.available_models()}["gemma3-270m"]
+        start = time.perf_counter()
+        folder = gemma3.ensure_converted()
+        seconds = time.perf_counter() - start
+        model, tokenizer = models.load("gemma3-270m", compute_dtype=mx.float32)
+        after = {m.name: m for m in models.available_models()}["gemma3-270m"]
+    print(f"\n[gemma3-270m] converted in {seconds:.1f} s")
+    return {"model": model, "tokenizer": tokenizer, "folder": folder, "cache": cache, "before": before,
+            "after": after}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,7 +13,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from gmlx_lab import models
 from gmlx_lab.metrics import perplexity
-from gmlx_lab.models import gemma3, smollm2
+from gmlx_lab.models import smollm2
 
 # Expected cache entry per layer: class, then the last dims of keys and values (None for ArraysCache).
 KV128, KV256, KV512 = (KVCache, 128, 128), (KVCache, 256, 256), (KVCache, 512, 512)
@@ -148,29 +147,10 @@ def test_smollm2_converts_and_answers(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 EVAL_TEXT = Path(models.__file__).parents[1] / "data" / "eval_text.txt"
 
-# Gemma 3 270M: converted once per session into a temporary GMLX_LAB_CACHE, then shared by the tests below.
+# Gemma 3 270M: converted once per session into a temporary GMLX_LAB_CACHE by the `gemma` fixture (conftest.py).
 GEMMA_PROMPT = "The capital of France is"
 GEMMA_PROMPT_IDS = [2, 818, 5279, 529, 7001, 563]  # <bos> "The" "▁capital" "▁of" "▁France" "▁is"
 GEMMA_GREEDY = " the capital of the country of France."  # 8 tokens, float32 on the CPU (smallest logit gap 0.26)
-
-
-@pytest.fixture(scope="session")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Convert gemma3-270m from its PyPI GGUF into a fresh cache and load it (float32), once per session."""
-    if not gemma3.gguf_available():
-        pytest.fail(f"gemma3-270m needs its PyPI packages: {gemma3.INSTALL_COMMAND}")
-    cache = tmp_path_factory.mktemp("gmlx_cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GMLX_LAB_CACHE", str(cache))
-        before = {m.name: m for m in models.available_models()}["gemma3-270m"]
-        start = time.perf_counter()
-        folder = gemma3.ensure_converted()
-        seconds = time.perf_counter() - start
-        model, tokenizer = models.load("gemma3-270m", compute_dtype=mx.float32)
-        after = {m.name: m for m in models.available_models()}["gemma3-270m"]
-    print(f"\n[gemma3-270m] converted in {seconds:.1f} s")
-    return {"model": model, "tokenizer": tokenizer, "folder": folder, "cache": cache, "before": before,
-            "after": after}
 
 
 def test_gemma3_converts_into_the_cache(gemma: dict) -> None:

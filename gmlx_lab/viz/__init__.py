@@ -18,16 +18,22 @@ from .figures import (
     bytes_label,
     channel_figure,
     code_histogram,
+    draft_figure,
     error_figure,
+    experiment_data,
     growth_figure,
     imbalance_figure,
     kl_strip,
+    passkey_heatmaps,
     policy_strip,
     record_figure,
     regions_bar,
     regions_stream,
+    scheme_color,
     sink_mass_figure,
     table_html,
+    weights_kv_figure,
+    weights_kv_positions,
     window_stream,
 )
 from .quant import AffineRow, affine_row, hadamard, normalize_history, quant_error, record_of
@@ -42,12 +48,13 @@ from .sources import (
 )
 
 __all__ = [
-    "DECISION_COLORS", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "REAL_DENSE_CONFIGS", "REGION_COLORS",
-    "AffineRow", "LayerShape", "Table", "affine_row", "affine_row_figure", "bars_figure", "benchmark_results",
-    "bytes_label", "channel_figure", "code_histogram", "dense_bytes_per_token", "error_figure", "family_curves",
-    "growth_figure", "hadamard", "imbalance_figure", "kl_strip", "layer_bytes", "layer_shapes",
-    "normalize_history", "policy_bytes", "policy_strip", "quant_error", "record_bytes", "record_figure",
-    "record_of", "regions_bar", "regions_stream", "sink_mass_figure", "window_stream", "table_html",
+    "DECISION_COLORS", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "REAL_DENSE_CONFIGS", "REGION_COLORS", "AffineRow",
+    "LayerShape", "Table", "affine_row", "affine_row_figure", "bars_figure", "benchmark_results", "bytes_label",
+    "channel_figure", "code_histogram", "dense_bytes_per_token", "draft_figure", "error_figure", "experiment_data",
+    "family_curves", "growth_figure", "hadamard", "imbalance_figure", "kl_strip", "layer_bytes", "layer_shapes",
+    "normalize_history", "passkey_heatmaps", "policy_bytes", "policy_strip", "quant_error", "record_bytes",
+    "record_figure", "record_of", "regions_bar", "regions_stream", "scheme_color", "sink_mass_figure", "table_html",
+    "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
 
 

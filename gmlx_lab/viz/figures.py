@@ -7,6 +7,7 @@ JupyterLab (the default `plotly_mimetype` renderer) and in HTML exports.
 from __future__ import annotations
 
 import html
+import re
 from typing import Any
 
 import numpy as np
@@ -245,3 +246,119 @@ class Table:
 
     def __repr__(self) -> str:
         return "\n".join(str(r) for r in self.rows)
+
+
+# -- the beyond-KL experiments (gmlx_lab.experiments) ------------------------------------------------
+# Each builder takes a result object or its `to_dict()` (as stored in benchmarks/results/*.json), so the
+# same figure draws a live run and a committed one; where a share is shown, fp16 is drawn as the baseline.
+
+ACCURACY_SCALE = "Greens"  # every passkey heatmap: 0% white, 100% dark green
+KL_SCALE = "Oranges"
+
+
+def experiment_data(result: Any) -> dict[str, Any]:
+    """A result of gmlx_lab.experiments as its dict (a dict, e.g. read from benchmarks/results, passes as is)."""
+    return result.to_dict() if hasattr(result, "to_dict") else result
+
+
+def scheme_color(label: str) -> str:
+    """The colour of a scheme label such as 'kvarn4 tail=0' or 'affine_rot2 g64'."""
+    family = re.match(r"[a-z]+(?:_rot)?", label)
+    return DECISION_COLORS.get(family.group() if family else "", "#444444")
+
+
+def passkey_heatmaps(result: Any, title: str | None = None) -> go.Figure:
+    """One heatmap per scheme: passkey accuracy by needle depth (rows) and prompt length (columns)."""
+    data = experiment_data(result)
+    labels, lengths, depths = data["labels"], data["lengths"], data["depths"]
+    names = [f"{label}{' (baseline)' if label == 'fp16' else ''}: {100 * data['accuracy'][label]:.0f}%"
+             for label in labels]
+    fig = make_subplots(rows=1, cols=len(labels), shared_yaxes=True, horizontal_spacing=0.02,
+                        subplot_titles=names)
+    for i, label in enumerate(labels):
+        z = np.array(data["grids"][label], dtype=float)
+        fig.add_heatmap(z=z, x=[str(n) for n in lengths], y=[f"{100 * d:.0f}%" for d in depths], row=1, col=i + 1,
+                        zmin=0, zmax=1, colorscale=ACCURACY_SCALE, showscale=i == len(labels) - 1,
+                        colorbar={"title": "recalled", "tickformat": ".0%"}, text=np.round(100 * z).astype(int),
+                        texttemplate="%{text}%", xgap=2, ygap=2,
+                        hovertemplate=f"{label}<br>%{{x}} tokens, needle at %{{y}}: %{{z:.0%}}<extra></extra>")
+        fig.update_xaxes(title_text="prompt length (tokens)", type="category", row=1, col=i + 1)
+    fig.update_yaxes(title_text="needle depth (% of context)", type="category", autorange="reversed", row=1, col=1)
+    fig.update_layout(**_LAYOUT, height=340, width=max(520, 230 * len(labels)),
+                      title=title or f"passkey retrieval, {data['model']} (greedy answer holds the key)")
+    return fig
+
+
+def draft_figure(result: Any, title: str | None = None) -> go.Figure:
+    """Acceptance rate and tokens per verify step for each target cache, fp16's as a dashed baseline."""
+    data = experiment_data(result)
+    runs = data["runs"]
+    labels = [r["label"] for r in runs]
+    colors = [scheme_color(label) for label in labels]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("drafted tokens accepted", "tokens per target forward pass"))
+    fig.add_bar(x=labels, y=[100 * r["acceptance"] for r in runs], marker_color=colors, row=1, col=1,
+                hovertemplate="%{x}: %{y:.1f}% accepted<extra></extra>", showlegend=False)
+    fig.add_bar(x=labels, y=[r["tokens_per_step"] for r in runs], marker_color=colors, row=1, col=2,
+                hovertemplate="%{x}: %{y:.2f} tokens per step<extra></extra>", showlegend=False)
+    base = next((r for r in runs if r["label"] == "fp16"), None)
+    if base is not None:
+        fig.add_hline(y=100 * base["acceptance"], line_dash="dash", row=1, col=1,
+                      annotation_text="fp16 baseline", annotation_position="top left")
+        fig.add_hline(y=base["tokens_per_step"], line_dash="dash", row=1, col=2,
+                      annotation_text="fp16 baseline", annotation_position="top left")
+    fig.add_hline(y=1, line_dash="dot", line_color="#9e9e9e", row=1, col=2, annotation_text="no speculation",
+                  annotation_position="bottom right")
+    fig.update_yaxes(title_text="accepted (% of drafted)", range=[0, 105], row=1, col=1)
+    fig.update_yaxes(title_text="tokens per step", range=[0, data["num_draft_tokens"] + 1.1], row=1, col=2)
+    fig.update_xaxes(title_text="target cache", row=1, col=1)
+    fig.update_xaxes(title_text="target cache", row=1, col=2)
+    fig.update_layout(**_LAYOUT, height=380, title=title or f"speculative decoding, {data['model']} verifying "
+                      f"{data['draft']} ({data['num_draft_tokens']} draft tokens per step)")
+    return fig
+
+
+def weights_kv_figure(result: Any, title: str | None = None) -> go.Figure:
+    """Heatmap of decode median KL (log colour) by weight width (rows) and KV scheme (columns).
+
+    Each cell's text gives the KL, and for pairs of two quantized parts how it compares with the sum
+    of its parts (1.00x: the errors just add up).
+    """
+    data = experiment_data(result)
+    rows = data["rows"]
+    weights = list(dict.fromkeys(r["weights"] for r in rows))
+    kvs = list(dict.fromkeys(r["kv"] for r in rows))
+    cell = {(r["weights"], r["kv"]): r for r in rows}
+
+    def label(w: str, kv: str) -> str:
+        ratio = cell[w, kv].get("compounding")
+        both = "fp16" not in (w, kv) and ratio is not None  # two quantized parts
+        return f"{cell[w, kv]['median_kl']:.2g}" + (f"<br>{ratio:.2f}x sum" if both else "")
+
+    z = np.array([[np.log10(max(cell[w, kv]["median_kl"], 1e-9)) for kv in kvs] for w in weights])
+    text = [[label(w, kv) for kv in kvs] for w in weights]
+    fig = _fig(title=title or f"decode median KL vs fp16 weights + fp16 KV, {data['model']} "
+                              f"({data['prefill']}-token prefill, {data['decode']} scored tokens)",
+               xaxis_title="KV cache", yaxis_title="weights (nn.quantize width, group "
+                                                  f"{data['group_size']})", height=120 + 70 * len(weights))
+    fig.add_heatmap(z=z, x=kvs, y=weights, text=text, texttemplate="%{text}", colorscale=KL_SCALE, xgap=2, ygap=2,
+                    colorbar={"title": "log10 KL (nats)"}, hovertemplate="%{y} weights, %{x} cache: %{text}"
+                                                                          "<extra></extra>")
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_xaxes(type="category")
+    return fig
+
+
+def weights_kv_positions(result: Any, weights: str, title: str | None = None) -> go.Figure:
+    """KL per decoded token for one weight width under each KV scheme (does the error grow with position?)."""
+    data = experiment_data(result)
+    rows = [r for r in data["rows"] if r["weights"] == weights]
+    if not rows:
+        raise ValueError(f"no rows for weights {weights!r}; have {sorted({r['weights'] for r in data['rows']})}")
+    fig = _fig(title=title or f"KL per decoded token, {weights} weights, {data['model']}",
+               xaxis_title=f"decoded token (after {data['prefill']} prefill tokens)", yaxis_title="KL (nats)",
+               yaxis_type="log", height=360)
+    for r in rows:
+        fig.add_scatter(y=[max(v, 1e-9) for v in r["decode_kl"]], mode="lines", name=f"{weights} + {r['kv']}",
+                        line={"color": scheme_color(r["kv"]), "dash": "solid" if r["kv"] == "fp16" else "dot"})
+    return fig

@@ -2,6 +2,7 @@
 
     picker = model_picker()            # bundled teaching model by default
     compare(picker.model, picker.tokenizer)
+    passkey_app(model, tokenizer)      # notebook 10: passkey, draft_app, weights_app (widgets/experiments.py)
 
 Every app keeps its logic in gmlx_lab (kv_inspect, viz); the widgets only wire
 controls to it. Figures that change in place are `go.FigureWidget`s (plotly 7
@@ -22,8 +23,10 @@ from .. import kv_inspect
 from ..fidelity import fidelity
 from ..models import BUNDLED_NAME, available_models, load
 from ..viz import figures
+from .experiments import DraftApp, PasskeyApp, SchemePicker, WeightsApp, draft_app, passkey_app, weights_app
 
-__all__ = ["CompareApp", "ModelPicker", "compare", "kv_explorer", "model_picker", "region_explorer"]
+__all__ = ["CompareApp", "DraftApp", "ModelPicker", "PasskeyApp", "SchemePicker", "WeightsApp", "compare",
+           "draft_app", "kv_explorer", "model_picker", "passkey_app", "region_explorer", "weights_app"]
 
 
 class ModelPicker:
