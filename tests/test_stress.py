@@ -143,16 +143,17 @@ def test_2_speculative_decoding_with_kvarn_at_every_tail(small_model, tail, prom
     """A draft is verified in one update; rejected tokens are trimmed, after records have sealed at this tail.
 
     What we assert, and why not plain token equality: the target verifies 1 + 3 tokens in one update, and a
-    query sees the K/V of its own update exactly, so next to a group boundary a verified position may see a
-    group in fp16 that one-at-a-time decoding already reads as a record (and the K/V that later layers store
+    query reads as records only the groups that had left the tail before its update; one-at-a-time decoding
+    reads those that had left it before the query's own token. So where a group leaves the tail inside a draft,
+    a verified query sees in fp16 what plain decoding reads as a record (and the K/V that later layers store
     for it inherit that). A speculative query never sees more records than a plain one, so its distance from
     the fp16 run is about plain decoding's at most (`scale`: the plain run's largest log-probability change
-    against fp16 at the same positions; measured 1.0x and 1.05x, we allow 1.5x), and by the triangle
-    inequality it differs from plain decoding by at most 2x scale (measured 0.80x at tail 0, 1.05x at tail
-    128). A token may then differ from plain greedy decoding's only where plain decoding's top two are closer
-    than twice the measured difference (a near tie); there is none here (the closest top two are 2.1 and 0.90
-    apart, twice the difference 0.25 and 0.22), so the tokens are equal. With fp16 the two agree to float32
-    rounding (the next test).
+    against fp16 at the same positions; measured 1.0x at both tails, we allow 1.5x), and by the triangle
+    inequality it differs from plain decoding by at most 2x scale (measured 0.80x at tail 0 and 0.00004x at
+    tail 128, where here no group left the tail inside a draft). A token may then differ from plain greedy
+    decoding's only where plain decoding's top two are closer than twice the measured difference (a near
+    tie); there is none here (the closest top two are 2.1 and 0.90 apart, twice the difference 0.25 and
+    1e-5), so the tokens are equal. With fp16 the two agree to float32 rounding (the next test).
     """
     mx.random.seed(11)
     prompt = mx.random.randint(0, 300, (prompt_length,))
@@ -193,6 +194,33 @@ def test_2_speculative_decoding_with_fp16_matches_plain_decoding_to_rounding(sma
     plain = teacher_forced_logprobs(small_model, prompt, tokens, "fp16", {})
     assert float(mx.abs(mx.stack([lp for _, lp, _ in steps]) - plain).max()) < 1e-4
     assert tokens == [int(mx.argmax(plain[i])) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("tail, chunks, trim, more", [
+    (128, [256, 128], 128, 1),  # hypothesis' shrunk case: the latest update pushed group 128-255 out of the tail
+    (128, [502, 10], 10, 1),
+    (200, [350, 112], 112, 3),
+    (1, [250, 10], 10, 1),
+    (0, [250, 10], 10, 1),
+])
+def test_2_trimming_the_latest_update_gives_back_the_cache_that_never_saw_it(tail, chunks, trim, more):
+    """A rejected draft is trimmed: the cache must then be the one that never saw it, so the records and the
+    tail are those of plain decoding (before: a group the draft pushed out of the tail stayed sealed)."""
+    total = sum(chunks)
+    k, v = random_kv(total + more, seed=6)
+    drafted, never = KVarNCache(4, 4, kv_tail_tokens=tail), KVarNCache(4, 4, kv_tail_tokens=tail)
+    start = 0
+    for n in chunks:
+        drafted.update_and_fetch(k[:, :, start:start + n], v[:, :, start:start + n])
+        start += n
+    kept = total - trim
+    assert drafted.trim(trim) == trim
+    got = drafted.update_and_fetch(k[:, :, total:], v[:, :, total:])
+    never.update_and_fetch(k[:, :, :kept], v[:, :, :kept])
+    expect = never.update_and_fetch(k[:, :, total:], v[:, :, total:])
+    assert drafted.region_tokens() == never.region_tokens()
+    assert drafted.region_tokens()["tail"] == min(tail, kept + more - 128)
+    assert all(mx.array_equal(a, b) for a, b in zip(got, expect))
 
 
 # -- 3: numeric command-line arguments -----------------------------------------------------------------------
