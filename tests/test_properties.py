@@ -108,10 +108,14 @@ def cases(low: int, high: int, **kwargs: Any) -> st.SearchStrategy[tuple[Spec, i
 
 @st.composite
 def chunkings(draw: Any, total: int, max_chunks: int = 8) -> list[int]:
-    """Sizes of the updates that deliver `total` tokens: one chunk, random cuts, or a prefix then 1-token steps."""
-    kind = draw(st.sampled_from(["one", "cuts", "cuts", "steps"]))
+    """Sizes of the updates that deliver `total` tokens: one chunk, random cuts, a prefix then 1-token steps, or
+    a prefix then one short update (a draft, as speculative decoding sends)."""
+    kind = draw(st.sampled_from(["one", "cuts", "cuts", "steps", "draft"]))
     if kind == "one" or total == 1:
         return [total]
+    if kind == "draft":
+        last = draw(st.integers(1, min(total - 1, 130)))
+        return [total - last, last]
     if kind == "steps":
         prefix = draw(st.integers(1, total - 1))
         return [prefix] + [1] * min(total - prefix, 40) + ([total - prefix - 40] if total - prefix > 40 else [])
@@ -211,6 +215,28 @@ def test_trim_then_continue_equals_never_seeing_the_tokens(case, data):
     assert_same_state(trimmed, never)
 
 
+@examples(30)
+@given(bits=st.tuples(st.sampled_from(KVARN_BITS), st.sampled_from(KVARN_BITS)), tail=st.sampled_from(TAILS),
+       data=st.data())
+def test_trimming_a_kvarn_draft_gives_back_the_cache_that_never_saw_it(bits, tail, data):
+    """Speculative decoding's shape, near the edges where a group seals: a prompt, a draft of up to 130 tokens,
+    a rejection that trims r of them, then m <= r accepted tokens: the cache that never saw the r tokens."""
+    spec = Spec("kvarn", {"k_bits": bits[0], "v_bits": bits[1], "kv_tail_tokens": tail, "norm_iters": 2})
+    past_edge = data.draw(st.one_of(st.integers(0, 3), st.integers(-3, 130)), "tokens past a seal edge")
+    total = SINK_TOKENS + TILE * data.draw(st.integers(1, 3), "groups") + tail + past_edge
+    draft = data.draw(st.integers(1, min(total - 1, 130)), "draft")
+    r = data.draw(st.one_of(st.just(draft), st.integers(1, draft)), "r")
+    m = data.draw(st.one_of(st.just(1), st.integers(1, r)), "m")
+    k, v = kv(total + m, seed=total)
+    drafted, never = spec.make(), spec.make()
+    feed(drafted, k, v, [total - draft, draft])
+    assert drafted.trim(r) == r
+    got = drafted.update_and_fetch(k[:, :, total:], v[:, :, total:])
+    feed(never, k, v, [total - draft] + ([draft - r] if draft > r else []))
+    assert same_arrays(got, never.update_and_fetch(k[:, :, total:], v[:, :, total:]))
+    assert_same_state(drafted, never)
+
+
 @examples(25)
 @given(case=cases(1, 600, quantized_kv_start=False), data=st.data())
 def test_trim_beyond_what_can_be_rolled_back_is_refused_and_changes_nothing(case, data):
@@ -268,23 +294,27 @@ def test_save_load_at_any_offset_is_bit_exact_and_continues_identically(case, mo
 # -- deep copies --------------------------------------------------------------------------------------------------
 
 @examples(30)
-@given(case=cases(1, 520), data=st.data())
-def test_deep_copy_is_independent_and_continues_like_its_original(case, data):
-    """The original trims its latest update and takes other tokens; the copy continues with the true ones and
-    ends in the state of a cache that was never copied (and the original in the state of one that never saw
-    the copy's tokens)."""
-    spec, total = case
+@given(spec=specs(), data=st.data())
+def test_deep_copy_is_independent_and_continues_like_its_original(spec, data):
+    """The original trims r tokens of its latest update and writes m <= r other tokens in their place (in its
+    buffer, where the copy's tokens are); the copy continues with the true tokens. The copy ends in the state of
+    a cache that was never copied, and the original in the state of one that never saw the copy's tokens.
+    Buffers that are exactly full (256 or 512 tokens; kvarn's recent tokens right after a seal) are the case
+    where a copy once shared the original's buffer, so a quarter of the examples have 256 or 512 tokens."""
+    total = data.draw(st.one_of(st.sampled_from([256, 512]), lengths(1, 520, spec.tail), lengths(1, 520, spec.tail),
+                                lengths(1, 520, spec.tail)), "total")
     chunks = data.draw(chunkings(total), "chunks")
     k, v = kv(total + 20, seed=total + 2)
     cache = spec.make()
     feed(cache, k, v, chunks)
     twin = copy.deepcopy(cache)
-    r = data.draw(st.integers(0, chunks[-1]), "r")
+    r = data.draw(st.one_of(st.integers(1, chunks[-1]), st.integers(0, chunks[-1])), "r")
     if spec.scheme.startswith("affine") and cache.quantized and total - r < spec.options["quantized_kv_start"]:
         r = 0  # see test_trim_then_continue_equals_never_seeing_the_tokens
-    other = (k[:, :, total:] * 2 + 1, v[:, :, total:] - 1)
+    m = data.draw(st.integers(1, max(1, r)), "m")
+    other = (k[:, :, total - r:total - r + m] * 2 + 1, v[:, :, total - r:total - r + m] - 1)
     cache.trim(r)
-    cache.update_and_fetch(*other)  # writes where the copy's tokens are
+    cache.update_and_fetch(*other)
     got = twin.update_and_fetch(k[:, :, total:], v[:, :, total:])
     plain = spec.make()
     assert same_arrays(got, feed(plain, k, v, [*chunks, 20]))
