@@ -25,8 +25,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.nn as nn
 
@@ -295,9 +296,6 @@ def cmd_lab(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "jupyterlab", str(folder), *extra, *args.jupyter_args])
 
 
-# -- parser -----------------------------------------------------------------------------------------
-
-
 def cmd_schemes(args: argparse.Namespace) -> int:
     """The scheme registry as a table: every scheme, option, default and accepted value."""
     from .registry import SCHEMES
@@ -310,9 +308,35 @@ def cmd_schemes(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- parser -----------------------------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with gmlx-lab's error format: one line, `gmlx-lab: error: ...`, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"gmlx-lab: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= minimum; argparse names the argument in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int; accepted: an int >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not accepted; accepted: an int >= {minimum}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of `gmlx-lab` and its subcommands."""
-    parser = argparse.ArgumentParser(prog="gmlx-lab", description="Learn, see and measure KV-cache quantization.")
+    """The argparse parser of `gmlx-lab` and its subcommands (every numeric argument is an int >= 1)."""
+    parser = Parser(prog="gmlx-lab", description="Learn, see and measure KV-cache quantization.")
+    count = int_at_least(1)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", default=None,
@@ -324,9 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schemes", default=COMPARE_SCHEMES, help=f"comma-separated specs (default {COMPARE_SCHEMES})")
     p.add_argument("--prompt", default=None, help="prompt text (default: the start of --prompt-file)")
     p.add_argument("--prompt-file", default=None, help="default: the bundled evaluation text")
-    p.add_argument("--prompt-tokens", type=int, default=1500, help="tokens of --prompt-file used (default 1500)")
-    p.add_argument("--max-tokens", type=int, default=40)
-    p.add_argument("--max-kv-size", type=int, default=None,
+    p.add_argument("--prompt-tokens", type=count, default=1500, help="tokens of --prompt-file used (default 1500)")
+    p.add_argument("--max-tokens", type=count, default=40, help="greedy tokens per scheme (default 40)")
+    p.add_argument("--max-kv-size", type=count, default=None,
                    help="rolling window: the attention layers keep this many tokens (sink + newest), quantized")
     p.set_defaults(run=cmd_compare)
 
@@ -334,9 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schemes", default=FIDELITY_SCHEMES, help=f"comma-separated specs (default {FIDELITY_SCHEMES})")
     p.add_argument("--sweep", default=None, choices=["widths", "tails", "split", "ladder", "layers"],
                    help="a named sweep instead of --schemes (layers: the first --schemes entry, one layer at a time)")
-    p.add_argument("--prefill", type=int, default=1900, help="prefill tokens (default 1900)")
-    p.add_argument("--decode", type=int, default=128, help="tokens decoded one at a time (default 128)")
-    p.add_argument("--prefill-step", type=int, default=2048, help="prefill chunk size (default 2048)")
+    p.add_argument("--prefill", type=count, default=1900, help="prefill tokens (default 1900)")
+    p.add_argument("--decode", type=count, default=128, help="tokens decoded one at a time (default 128)")
+    p.add_argument("--prefill-step", type=count, default=2048, help="prefill chunk size (default 2048)")
     p.add_argument("--text-file", default=None, help="default: the bundled evaluation text")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(run=cmd_fidelity)
@@ -350,8 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_policy)
 
     p = sub.add_parser("memory", parents=[model], help="resident cache bytes per scheme, layer and region")
-    p.add_argument("--context", type=int, default=4096, help="tokens in the cache (default 4096)")
-    p.add_argument("--max-kv-size", type=int, default=None,
+    p.add_argument("--context", type=count, default=4096, help="tokens in the cache (default 4096)")
+    p.add_argument("--max-kv-size", type=count, default=None,
                    help="rolling window: the attention layers keep this many tokens (sink + newest), quantized")
     p.add_argument("--schemes", default=MEMORY_SCHEMES, help=f"comma-separated specs (default {MEMORY_SCHEMES})")
     p.add_argument("--layers", action="store_true", help="also print a per-layer table per scheme")

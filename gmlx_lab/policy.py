@@ -16,6 +16,7 @@ policy packs it with affine like DeepSeek-V3.
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -208,6 +209,11 @@ class PromptCache(list):
     def __init__(self, items: Any = (), policy: Policy | None = None):
         super().__init__(items)
         self.policy = policy
+
+    def __deepcopy__(self, memo: dict) -> PromptCache:
+        """Independent copies of the entries (mlx-lm's BatchGenerator and evaluate deep-copy prompt caches);
+        the policy, a description of how they were built (with the model), is shared, not copied."""
+        return PromptCache((copy.deepcopy(c, memo) for c in self), policy=self.policy)
 
     @property
     def nbytes(self) -> int:

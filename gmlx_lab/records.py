@@ -50,15 +50,16 @@ def slice_width(head_dim: int) -> int:
 def region_tokens(context: int, kv_tail_tokens: int, newest: int = 1) -> dict[str, int]:
     """Tokens in each region of a kvarn layer after `context` tokens, the last `newest` of them in one update.
 
-    The sink takes the first 128 tokens. A later token is sealed into a record once it has left the newest
-    `kv_tail_tokens`, its group of 128 is complete and a later update has arrived (the tokens of the latest
-    update stay fp16, so they can be trimmed, and a prompt chunk attends to its own tokens exactly). Token by
-    token (newest=1) with a tail of at least one token, that is as soon as the group leaves the tail.
+    The sink takes the first 128 tokens. A later token is sealed into a record once its group of 128 is
+    complete and had left the newest `kv_tail_tokens` before the latest update arrived (the latest update's
+    tokens stay fp16 and decide nothing that is sealed, so trimming them gives back the cache that never saw
+    them, and a prompt chunk attends to its own tokens exactly). Token by token (newest=1), that is one token
+    after the group leaves the tail.
     "live" is the fp16 tokens between the body and the tail.
     """
     sink = min(context, SINK_TOKENS)
     recent = context - sink
-    sealed = max(0, min(recent - newest, recent - kv_tail_tokens)) // TILE * TILE
+    sealed = max(0, recent - newest - kv_tail_tokens) // TILE * TILE
     recent -= sealed
     tail = min(recent, kv_tail_tokens)
     return {"sink": sink, "body": sealed, "live": recent - tail, "tail": tail}

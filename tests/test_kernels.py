@@ -131,11 +131,11 @@ AFFINE_CASES = [(b, gs, d, lq) for b, gs, d, lq in [
 
 def _kvarn_cache(d: int, hkv: int, kb: int, vb: int, tokens: int, tail: int, seed: int,
                  seal: bool = True) -> KVarNCache:
-    """A kvarn cache fed in chunks of 333; `seal` also seals the groups the last chunk made due."""
+    """A kvarn cache fed in chunks of 200; `seal` also seals the groups the last chunk made due."""
     c = KVarNCache(kb, vb, kv_tail_tokens=tail)
     k, v = random_kv(tokens, hkv, d, seed=seed)
-    for i in range(0, tokens, 333):
-        c.update_and_fetch(k[:, :, i:i + 333], v[:, :, i:i + 333])
+    for i in range(0, tokens, 200):
+        c.update_and_fetch(k[:, :, i:i + 200], v[:, :, i:i + 200])
     if seal:
         c.seal()
     return c

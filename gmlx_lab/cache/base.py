@@ -258,11 +258,19 @@ class GmlxCache(_BaseCache):
         return n
 
     def __deepcopy__(self, memo: dict) -> GmlxCache:
-        """An independent copy: MLX arrays are values (an update makes new ones), so the copy may share them."""
-        new = type(self).from_state(copy.copy(self.state))
+        """An independent copy. The copy shares the arrays' data but not the array objects: a write into a
+        buffer with room (`buf[..., i, :] = x`) updates that array object in place, which the copy must not see."""
+        new = type(self).from_state(_new_objects(self.state))
         for name in ("attention_path", "check_finite_on"):  # switches set on the instance
             if name in self.__dict__:
                 setattr(new, name, self.__dict__[name])
         new._flags, new._unchecked = list(self._flags), list(self._unchecked)
         new._unchecked_tokens, new._dtype = self._unchecked_tokens, self._dtype
         return new
+
+
+def _new_objects(tree: Any) -> Any:
+    """`tree` (tuples, lists, arrays, scalars) with every mx.array replaced by a new object over the same data."""
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_new_objects(x) for x in tree)
+    return copy.copy(tree) if isinstance(tree, mx.array) else tree

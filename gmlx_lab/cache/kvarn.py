@@ -8,10 +8,11 @@ Attention is one softmax over all three. Since the Hadamard rotation H is orthog
 either space: the fp16 stores keep the model's own K/V (an update is a plain write, as in mlx-lm's KVCache)
 and only records are rotated; their part of the output is rotated back (`kernels/decode.py`).
 
-Sealing: when tokens arrive, every complete group of 128 recent tokens that has left the tail and is older
-than this update's tokens is rotated and encoded into records (K and V together, so they never disagree).
-So a prompt chunk attends to its own tokens exactly and to the stored form of what came before it (causal),
-and the tokens of the latest update can always be trimmed (speculative decoding) whatever the tail.
+Sealing: when tokens arrive, every complete group of 128 recent tokens that had left the tail before this
+update is rotated and encoded into records (K and V together, so they never disagree). So a prompt chunk
+attends to its own tokens exactly and to the stored form of what came before it (causal), and the tokens of
+the latest update can always be trimmed (speculative decoding) whatever the tail: nothing sealed depended on
+them, so trimming them gives back the cache that never saw them.
 `seal()` seals what is due now (memory reports use it); trimming past it is then refused.
 
 Choices where the spec is silent: records seal on the GPU with the `kvarn_seal` kernel and on the CPU with
@@ -115,8 +116,8 @@ class KVarNCache(GmlxCache):
         return self._return(*self.fetch(keys.dtype, decode_step=n <= MAX_QUERY_TOKENS))
 
     def due_groups(self) -> int:
-        """Complete groups of 128 recent tokens that have left the tail and are older than the latest update."""
-        return max(0, min(self.recent_tokens - self.newest, self.recent_tokens - self.kv_tail_tokens)) // TILE
+        """Complete groups of 128 recent tokens that had left the tail before the latest update arrived."""
+        return max(0, self.recent_tokens - self.newest - self.kv_tail_tokens) // TILE
 
     def seal(self) -> int:
         """Seal every complete group that has left the tail now, the latest update's tokens too; returns how many.

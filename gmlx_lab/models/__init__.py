@@ -11,6 +11,7 @@ when it can be fetched or is already in the local Hugging Face cache.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ __all__ = [
     "available_models",
     "families",
     "load",
+    "read_config",
     "specimen",
 ]
 
@@ -78,7 +80,8 @@ def load(
     """Load a model and its mlx-lm tokenizer by name, local folder or Hugging Face repo id.
 
     `name_or_path`: None or "teaching-llama" (bundled), "smollm2-135m", "gemma3-270m", a folder
-    mlx-lm can read, or a repo id (needs the network or the local HF cache).
+    mlx-lm can read, or a repo id (needs the network or the local HF cache); an empty or blank name is a
+    ValueError, and a folder's config.json is checked first (errors name the file).
     `compute_dtype`: "auto" casts to float32 on the CPU, where float16 matmuls are
     about 15x slower, and keeps the stored dtype on a GPU; None always keeps
     the stored dtype; an mx.Dtype casts to it. The KV caches choose their own
@@ -87,7 +90,7 @@ def load(
     """
     import mlx_lm
 
-    name = name_or_path or BUNDLED_NAME
+    name = _check_name(name_or_path)
     if name == BUNDLED_NAME:
         if not (BUNDLED_MODEL_DIR / "config.json").is_file():
             raise ModelNotAvailableError(
@@ -101,6 +104,7 @@ def load(
     elif Path(name).expanduser().is_dir():
         path = Path(name).expanduser()
         display = path.resolve().name
+        read_config(path)
     elif _HUB_ID.fullmatch(name):
         path, display = _hub_snapshot(name), name
     else:
@@ -114,6 +118,33 @@ def load(
         mx.eval(model.parameters())  # cast now, so the first forward pass is not slowed by it
     model.gmlx_name = display
     return model, tokenizer
+
+
+def _check_name(name_or_path: Any) -> str:
+    """The name to open: None means the bundled model; an empty or blank name is an error, not the bundled model."""
+    if name_or_path is None:
+        return BUNDLED_NAME
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"model name must be a str or a path, got {type(name_or_path).__name__}")
+    name = os.fspath(name_or_path)
+    if not name.strip():
+        raise ValueError(f"empty model name {name!r}; accepted: None or {BUNDLED_NAME!r} for the bundled model, "
+                         f"a name, a folder or a Hugging Face repo id. {_offline_choices()}")
+    return name
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """A model folder's config.json as a dict; errors name the file (mlx-lm's own say only what went wrong)."""
+    file = Path(folder) / "config.json"
+    if not file.is_file():
+        raise ModelNotAvailableError(f"{file} not found: an mlx-lm model folder needs a config.json")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object (the model's settings), got a {type(config).__name__}")
+    return config
 
 
 def _hub_offline() -> bool:
