@@ -5,6 +5,7 @@
     gmlx-lab compare --schemes fp16,affine2,kvarn6
     gmlx-lab memory --context 4096
     gmlx-lab lab                               # JupyterLab on the notebooks/ folder
+    gmlx-lab --plugin my_scheme fidelity --schemes affine4,mine4   # a plug-in registers its schemes first
 
 `--model` picks the model: the bundled teaching-llama by default, "smollm2-135m", "gemma3-270m",
 a specimen family (llama, gpt_oss, ...: random weights, no tokenizer) or a folder.
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
+
+from .plugins import load_plugin
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 EVAL_TEXT = PACKAGE_DIR / "data" / "eval_text.txt"
@@ -273,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("lab", help="start JupyterLab on the notebooks/ folder")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab")
     p.set_defaults(run=cmd_lab)
+
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE (a module name or a .py file) first: it registers its schemes; repeatable")
     return parser
 
 
@@ -286,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run `gmlx-lab`; returns the exit code (2: bad input, 1: failure)."""
     args = build_parser().parse_args(argv)
     try:
+        for name in args.plugin:
+            load_plugin(name)
         return args.run(args)
     except BrokenPipeError:  # output piped into `head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -12,8 +12,8 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_nine_numbered_notebooks() -> None:
-    assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(9)]
+def test_there_are_ten_numbered_notebooks() -> None:
+    assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(10)]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

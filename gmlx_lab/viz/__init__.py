@@ -9,8 +9,8 @@ figure with plotly.js embedded (never the CDN). A renderer you chose is kept.
 import plotly.io as _pio
 
 from ..records import record_bytes
+from .code import Source, source
 from .figures import (
-    DECISION_COLORS,
     REGION_COLORS,
     Table,
     affine_row_figure,
@@ -26,6 +26,8 @@ from .figures import (
     record_figure,
     regions_bar,
     regions_stream,
+    scheme_color,
+    scheme_colors,
     sink_mass_figure,
     table_html,
 )
@@ -41,12 +43,13 @@ from .sources import (
 )
 
 __all__ = [
-    "DECISION_COLORS", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "REAL_DENSE_CONFIGS", "REGION_COLORS",
-    "AffineRow", "LayerShape", "Table", "affine_row", "affine_row_figure", "bars_figure", "benchmark_results",
+    "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "REAL_DENSE_CONFIGS", "REGION_COLORS",
+    "AffineRow", "LayerShape", "Source", "Table", "affine_row", "affine_row_figure", "bars_figure", "benchmark_results",
     "bytes_label", "channel_figure", "code_histogram", "dense_bytes_per_token", "error_figure", "family_curves",
     "growth_figure", "hadamard", "imbalance_figure", "kl_strip", "layer_bytes", "layer_shapes",
     "normalize_history", "policy_bytes", "policy_strip", "quant_error", "record_bytes", "record_figure",
-    "record_of", "regions_bar", "regions_stream", "sink_mass_figure", "table_html",
+    "record_of", "regions_bar", "regions_stream", "scheme_color", "scheme_colors", "sink_mass_figure",
+    "source", "table_html",
 ]
 
 

@@ -16,9 +16,9 @@ from plotly.subplots import make_subplots
 from .. import records
 from ..policy import Policy
 from ..records import region_tokens
+from ..registry import SCHEMES
 from .quant import AffineRow, hadamard
 
-DECISION_COLORS = {"fp16": "#9e9e9e", "affine": "#1f77b4", "affine_rot": "#17becf", "kvarn": "#ff7f0e"}
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
 _LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
 
@@ -27,6 +27,18 @@ def _fig(**layout: Any) -> go.Figure:
     fig = go.Figure()
     fig.update_layout(**{**_LAYOUT, **layout})
     return fig
+
+
+def scheme_colors() -> dict[str, str]:
+    """Each registered scheme's colour (its registry entry's `color`), in registration order."""
+    return {name: scheme.color for name, scheme in SCHEMES.items()}
+
+
+def scheme_color(label: str) -> str | None:
+    """The colour of the scheme a label starts with ("affine K", "kvarn4 tail=0"), or None (plotly picks)."""
+    colors = scheme_colors()
+    name = next((n for n in sorted(colors, key=len, reverse=True) if str(label).startswith(n)), None)
+    return colors.get(name)
 
 
 def bytes_label(n: float) -> str:
@@ -72,7 +84,7 @@ def error_figure(rows: list[dict[str, Any]], title: str = "reconstruction error 
     for method in dict.fromkeys(r["method"] for r in rows):
         pts = sorted((r["bits"], r["error"]) for r in rows if r["method"] == method)
         fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=method,
-                        line={"color": DECISION_COLORS.get(method.split()[0])})
+                        line={"color": scheme_color(method)})
     return fig
 
 
@@ -167,7 +179,8 @@ def sink_mass_figure(mass: np.ndarray, sink: int = 128) -> go.Figure:
 
 def policy_strip(policies: list[Policy]) -> go.Figure:
     """One row per model, one cell per cache entry, coloured by decision; hover shows the reason."""
-    order = list(DECISION_COLORS)
+    colors = scheme_colors()
+    order = list(colors)
     n = max(len(p.layers) for p in policies)
     z, text, names = [], [], []
     for p in policies:
@@ -177,7 +190,7 @@ def policy_strip(policies: list[Policy]) -> go.Figure:
         names.append(f"{p.name} ({len(p.quantized)}/{sum(d.grows for d in p.layers)})")
     scale = []
     for i, name in enumerate(order):
-        scale += [[i / len(order), DECISION_COLORS[name]], [(i + 1) / len(order), DECISION_COLORS[name]]]
+        scale += [[i / len(order), colors[name]], [(i + 1) / len(order), colors[name]]]
     fig = _fig(title=f"per-layer decisions under {policies[0].label}", xaxis_title="cache entry (layer)",
                height=120 + 36 * len(policies))
     fig.add_heatmap(z=z, text=text, hoverinfo="text", y=names, colorscale=scale, zmin=-0.5,
@@ -203,7 +216,7 @@ def bars_figure(rows: list[dict[str, Any]], x: str, y: str, color: str, title: s
     for key in dict.fromkeys(r[color] for r in rows):
         pts = [r for r in rows if r[color] == key]
         fig.add_bar(x=[str(r[x]) for r in pts], y=[r[y] for r in pts], name=str(key),
-                    marker_color=DECISION_COLORS.get(str(key).split()[0]))
+                    marker_color=scheme_color(key))
     return fig
 
 
