@@ -163,7 +163,7 @@ class PromptCache(list):
         return sum(c.nbytes for c in self)
 
     def seal(self) -> int:
-        """Seal what each kvarn layer has due now (see KVarNCache.seal); returns the records sealed per head."""
+        """Seal what each sealing layer (kvarn, block schemes) has due now; returns the records or blocks sealed."""
         return sum(c.seal() for c in self if hasattr(c, "seal"))
 
     def regions(self) -> list[dict[str, int]]:

@@ -17,7 +17,8 @@ and the base supplies the rest: mlx-lm's cache contract (`update_and_fetch`, `of
 `save_prompt_cache`/`load_prompt_cache` round-trip, `trim`, `make_mask`), `nbytes` and `regions()`, an fp16
 sink and tail if asked, the checks of `GmlxCache` (shapes, finiteness, deepcopy) and a reference attention
 (softmax over the fetched K/V). `BlockScheme` derives the registry's byte formula, policy rule and audit from
-the class. The scheme's options (e.g. `bits`) become attributes of the cache (`self.bits`).
+the class. The scheme's options (e.g. `bits`) become attributes of the cache (`self.bits`). `load_prompt_cache`
+finds the class by name once the scheme is registered (in another process: import the plug-in first).
 
 A layer's tokens live in three stores, oldest first (`block_regions` is the geometry):
   sink    the first `sink_tokens` tokens, fp16 (none unless the scheme asks);
