@@ -143,7 +143,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     specs = scheme_list(args.schemes)
     model, _ = load_model(args.model)
-    report = memory_report(model, specs, context=args.context)
+    report = memory_report(model, specs, context=args.context, max_kv_size=args.max_kv_size)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
@@ -175,7 +175,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = []
     for spec in specs:
         scheme, options = parse_scheme_spec(spec)
-        chosen = policy(model, scheme, **options)
+        chosen = policy(model, scheme, max_kv_size=args.max_kv_size, **options)
         cache = chosen.make_cache()
         tokens, prefill_s, rate = greedy(model, prompt, cache, args.max_tokens)
         report = audit(cache)
@@ -192,6 +192,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"prompt {len(prompt)} tokens, {args.max_tokens} greedy tokens per scheme; "
           f"⟨≠⟩ marks the first token that differs from {rows[0][0]}")
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor, to_text
+
+    report = doctor()
+    print(json.dumps(report, indent=2) if args.json else to_text(report))
+    failed = [k for k in report["kernels"] or [] if not k["passed"]]
+    return 1 if failed else 0
 
 
 def find_notebooks() -> Path:
@@ -242,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", default=None, help="default: the bundled evaluation text")
     p.add_argument("--prompt-tokens", type=int, default=1500, help="tokens of --prompt-file used (default 1500)")
     p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="rolling window: the attention layers keep this many tokens (sink + newest), quantized")
     p.set_defaults(run=cmd_compare)
 
     p = sub.add_parser("fidelity", parents=[model, quiet], help="teacher-forced KL against the fp16 cache")
@@ -265,10 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("memory", parents=[model], help="resident cache bytes per scheme, layer and region")
     p.add_argument("--context", type=int, default=4096, help="tokens in the cache (default 4096)")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="rolling window: the attention layers keep this many tokens (sink + newest), quantized")
     p.add_argument("--schemes", default=MEMORY_SCHEMES, help=f"comma-separated specs (default {MEMORY_SCHEMES})")
     p.add_argument("--layers", action="store_true", help="also print a per-layer table per scheme")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_memory)
+
+    p = sub.add_parser("doctor", help="backend, versions, each kernel's self-check, BLAS")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_doctor)
 
     p = sub.add_parser("schemes", help="the scheme registry: options, defaults, accepted values")
     p.set_defaults(run=cmd_schemes)

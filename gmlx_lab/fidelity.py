@@ -39,7 +39,7 @@ __all__ = [
 # -- scheme specs -----------------------------------------------------------------------------------
 
 _ALIASES = {"tail": "kv_tail_tokens", "g": "group_size", "group": "group_size", "iters": "norm_iters",
-            "start": "quantized_kv_start", "k": "k_bits", "v": "v_bits"}
+            "start": "quantized_kv_start", "k": "k_bits", "v": "v_bits", "ext": "head_dim_ext"}
 _SPLIT = re.compile(r"k(\d+)v(\d+)")
 
 SchemeLike = str | tuple[str, dict[str, Any]] | Policy
@@ -153,7 +153,7 @@ def fp16_equivalent(cache: Any, decision: Any) -> int:
         return cache.nbytes
     shape = cache.kv_shape
     batch = 1 if shape is None else shape[0]
-    return batch * decision.kv_heads * cache.offset * (decision.k_head_dim + decision.v_head_dim) * 2
+    return batch * decision.kv_heads * cache.held * (decision.k_head_dim + decision.v_head_dim) * 2
 
 
 def _check_layer(cache: Any, d: Any, options: dict[str, Any]) -> str:
@@ -426,12 +426,15 @@ def fidelity(
     prefill_step: int = 2048,
     reuse_reference: bool = True,
     progress: bool = False,
+    reference: Policy | None = None,
 ) -> FidelityResult:
     """Teacher-forced KL(fp16 || scheme) of each scheme's cache, per position, against one shared fp16 run.
 
     Needs prefill + decode + 1 tokens (the last one is only a target). Schemes are specs
     ("kvarn6:tail=128"), (scheme, options) pairs or Policy objects (e.g. one layer quantized).
     With `reuse_reference`, an "fp16" entry is the reference run itself (KL exactly 0).
+    `reference`: the fp16 policy to compare against (default the plain fp16 cache; e.g. an fp16 rolling
+    window, `policy(model, "fp16", max_kv_size=N)`, to measure windowed schemes).
     """
     tokens = _tokens(tokenizer, text_or_tokens)
     if prefill < 1 or decode < 1:
@@ -448,7 +451,9 @@ def fidelity(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=(len(candidates) + 1) * (prefill + decode), desc="fidelity", unit="tok", leave=False)
-    ref_policy = policy(model, BASELINE)
+    ref_policy = reference or policy(model, BASELINE)
+    if ref_policy.scheme != BASELINE:
+        raise ValueError(f"the reference must be an fp16 policy, got {ref_policy.label}")
     ref_cache = ref_policy.make_cache()
     ref = _teacher_forced(model, tokens, ref_cache, prefill, decode, prefill_step, None, bar)
     result = FidelityResult(getattr(model, "gmlx_name", None) or ref_policy.name, prefill, decode, prefill_step,
@@ -456,7 +461,7 @@ def fidelity(
     for spec, chosen in candidates:
         if bar is not None:
             bar.set_postfix_str(chosen.label)
-        if reuse_reference and chosen.scheme == BASELINE:
+        if reuse_reference and chosen.scheme == BASELINE and chosen.max_kv_size == ref_policy.max_kv_size:
             trace, cache = replace(ref, prefill_kl=[0.0] * prefill, decode_kl=[0.0] * decode,
                                    decode_top1=[True] * decode), ref_cache
             if bar is not None:

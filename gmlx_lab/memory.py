@@ -144,11 +144,12 @@ def _layer_memory(cache: Any, d: Any) -> LayerMemory:
 def memory_report(model: nn.Module, schemes: Iterable[SchemeLike] = ("fp16", "affine4", "affine8", "kvarn4",
                                                                      "kvarn6"),
                   context: int = 4096, tokens: Sequence[int] | mx.array | None = None,
-                  chunk: int = 2048) -> MemoryReport:
+                  chunk: int = 2048, max_kv_size: int | None = None) -> MemoryReport:
     """Exact resident cache bytes per scheme, layer and region at `context` tokens, with fp16's for the same.
 
     `tokens` default: random ids (the bytes do not depend on the values). The fp16 run's K/V
-    are replayed into each scheme's caches in chunks of `chunk` tokens.
+    are replayed into each scheme's caches in chunks of `chunk` tokens. `max_kv_size`: the growing
+    attention layers are rolling windows of that many tokens (the bytes stop growing at the window).
     """
     if context < 1:
         raise ValueError(f"context must be >= 1, got {context}")
@@ -166,7 +167,7 @@ def memory_report(model: nn.Module, schemes: Iterable[SchemeLike] = ("fp16", "af
         mx.eval(model(ids[None, start:start + chunk], cache=ref))
     report = MemoryReport(getattr(model, "gmlx_name", None) or ref_policy.name, context)
     for _, chosen in candidates:
-        cache = chosen.make_cache()
+        cache = chosen.windowed(max_kv_size).make_cache()
         for i, (entry, source) in enumerate(zip(cache, ref)):
             if isinstance(entry, GmlxCache) and isinstance(source, FP16Cache):
                 keys, values = source.state[:2]
@@ -174,8 +175,7 @@ def memory_report(model: nn.Module, schemes: Iterable[SchemeLike] = ("fp16", "af
                     k, v = entry.update_and_fetch(keys[..., start:start + chunk, :].astype(mx.float32),
                                                   values[..., start:start + chunk, :].astype(mx.float32))
                     mx.eval(k, v)
-                if hasattr(entry, "seal"):
-                    entry.seal()  # the groups the last chunk made due: what the next token would seal
+                entry.settle()  # what the next token would do first: seal due records, roll a window
             else:
                 cache[i] = source  # the model's own entry (window, recurrent): the same under every scheme
         report.schemes.append(SchemeMemory(chosen.label, [_layer_memory(c, d) for c, d in

@@ -25,7 +25,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from . import window
 from .cache import GmlxCache
+from .kernels import selfcheck
 from .registry import BASELINE, Scheme, get_scheme
 
 
@@ -68,7 +70,7 @@ def probe_layers(model: nn.Module) -> list[tuple[Any, str, tuple[int, ...] | Non
 
 def _decide(index: int, n: int, kind: str, kdim: int | None, vdim: int | None,
             scheme: Scheme, options: dict[str, Any]) -> tuple[str, str]:
-    """The shared rules first, then the scheme's own (`Scheme.declines`)."""
+    """The shared rules first, then the scheme's own (`Scheme.declines`, `Scheme.reason_taken`)."""
     if kind == "recurrent":
         return BASELINE, "recurrent state"
     if kind == "sliding-window":
@@ -80,7 +82,7 @@ def _decide(index: int, n: int, kind: str, kdim: int | None, vdim: int | None,
     reason = scheme.declines(kind, kdim, vdim, options)
     if reason is not None:
         return BASELINE, reason
-    return scheme.name, "growing attention"
+    return scheme.name, scheme.reason_taken(kind, kdim, vdim, options)
 
 
 def _group(indices: list[int]) -> str:
@@ -91,8 +93,10 @@ class Policy:
     """A scheme applied to one model, layer by layer: `str()` is the [kv] line, `as_dict()` the report."""
 
     def __init__(self, model: nn.Module, name: str, scheme: str, options: dict[str, Any],
-                 layers: list[LayerDecision]):
+                 layers: list[LayerDecision], max_kv_size: int | None = None):
         self.model, self.name, self.scheme, self.options, self.layers = model, name, scheme, options, layers
+        self.max_kv_size = max_kv_size  # the rolling window of the growing attention layers (window.py)
+        self.fallbacks: dict[str, str] = {}  # kernels that failed their self-check, set by make_cache
 
     @property
     def label(self) -> str:
@@ -115,13 +119,27 @@ class Policy:
         extra = "".join(f", {n} {kind} fp16" for kind, n in others.items())
         why = "; ".join(f"{_group(ix)} fp16: {r}" for r, ix in reasons.items() if r != "fp16 scheme")
         if self.scheme == BASELINE:
-            return f"[kv] {self.name}: {BASELINE} -> {len(growing)} attn layers {BASELINE}{extra}"
+            return f"[kv] {self.name}: {BASELINE} -> {len(growing)} attn layers {BASELINE}{extra}{self._notes()}"
         if not self.quantized:
             why = why or "no growing attention layer"
-            return f"[kv] {self.name}: {self.label} -> no layer can use {self.scheme} ({why}) -> running {BASELINE}"
+            note = self._notes()
+            return (f"[kv] {self.name}: {self.label} -> no layer can use {self.scheme} ({why}) -> running "
+                    f"{BASELINE}{note}")
         detail = f" ({why})" if why else ""
         done = f"{len(self.quantized)}/{len(growing)}"
-        return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}"
+        return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._notes()}"
+
+    def _notes(self) -> str:
+        """What the [kv] line adds: the rolling window, and kernels that failed their self-check."""
+        notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
+        ext = [d.index for d in self.quantized if "extension" in d.reason]
+        if ext:
+            notes.insert(0, f"{_group(ext)} by the head-dim extension: records outside gmlx's format")
+        if self.max_kv_size is not None:
+            how = "quantized" if self.quantized else BASELINE
+            notes.insert(0, f"rolling window of {self.max_kv_size} tokens ({how}: 128-token sink kept, oldest groups "
+                            "of 128 leave)")
+        return "".join(f"; {n}" for n in notes)
 
     def as_dict(self) -> dict[str, Any]:
         """The `kv_quant` report: scheme, widths, options, the summary and every layer's decision."""
@@ -132,10 +150,23 @@ class Policy:
             "bits": bits,
             "options": dict(self.options),
             "summary": str(self),
+            "max_kv_size": self.max_kv_size,
+            "kernel_fallbacks": dict(self.fallbacks),
             "quantized_layers": len(self.quantized),
             "attention_layers": sum(d.grows for d in self.layers),
             "layers": [asdict(d) for d in self.layers],
         }
+
+    def windowed(self, max_kv_size: int | None) -> Policy:
+        """The same decisions with a rolling window of `max_kv_size` tokens on the growing attention layers."""
+        chosen = Policy(self.model, self.name, self.scheme, self.options, self.layers, max_kv_size)
+        if max_kv_size is not None:  # the quantized layers roll as their scheme says, fp16 ones by the shared rule
+            where = f"{self.name}: {self.label}"
+            if self.quantized:
+                get_scheme(self.scheme).check_window(max_kv_size, self.options, where)
+            else:
+                window.check(max_kv_size, None, where)
+        return chosen
 
     def make_cache(self) -> PromptCache:
         """Fresh caches, one per entry: ours where the policy decided, the model's own elsewhere."""
@@ -147,6 +178,13 @@ class Policy:
                 out.append(get_scheme(BASELINE).make_cache({}, layer=d.index))
             else:
                 out.append(native)
+            if self.max_kv_size is not None and d.grows and isinstance(out[-1], GmlxCache):
+                out[-1].set_window(self.max_kv_size)
+        # on a GPU, each kernel these caches use is self-checked once per process before its first use
+        for c in out:
+            for k in getattr(c, "KERNELS", ()):
+                if c.attention_path != "reference" and not selfcheck.passed(k):
+                    self.fallbacks[k] = selfcheck.failure(k) or ""
         return out
 
 
@@ -162,9 +200,12 @@ class PromptCache(list):
         """Resident bytes of every entry."""
         return sum(c.nbytes for c in self)
 
-    def seal(self) -> int:
-        """Seal what each sealing layer (kvarn, block schemes) has due now; returns the records or blocks sealed."""
-        return sum(c.seal() for c in self if hasattr(c, "seal"))
+    def settle(self) -> None:
+        """Every layer does now what its next update would do first: kvarn seals its due records, rolling
+        windows drop what they no longer hold (GmlxCache.settle). For reports of the steady-state bytes."""
+        for c in self:
+            if isinstance(c, GmlxCache):
+                c.settle()
 
     def regions(self) -> list[dict[str, int]]:
         """Per-layer resident bytes by region (our caches), or one "native" entry for the model's own caches."""
@@ -179,8 +220,13 @@ def model_name(model: nn.Module) -> str:
     return str(name or type(model).__module__.rsplit(".", 1)[-1])
 
 
-def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, **options: Any) -> Policy:
-    """Decide, for each of the model's cache entries, how `scheme` stores it and why."""
+def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, max_kv_size: int | None = None,
+           **options: Any) -> Policy:
+    """Decide, for each of the model's cache entries, how `scheme` stores it and why.
+
+    `max_kv_size`: make the growing attention layers rolling windows of that many tokens (gmlx's --max-kv-size),
+    quantized under the scheme; a window a layer cannot roll (kvarn: smaller than sink + tail + two groups) is
+    refused here."""
     spec = get_scheme(scheme)
     values = spec.resolve(**options)
     probed = probe_layers(model)
@@ -191,13 +237,16 @@ def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, 
         decision, reason = _decide(i, len(probed), kind, kdim, vdim, spec, values)
         layers.append(LayerDecision(i, kind, decision, reason, type(cache).__name__,
                                     kshape[1] if kshape else None, kdim, vdim))
-    return Policy(model, name or model_name(model), scheme, values, layers)
+    return Policy(model, name or model_name(model), scheme, values, layers).windowed(max_kv_size)
 
 
 def make_cache(model: nn.Module, scheme: str = "kvarn", *, quiet: bool = False, name: str | None = None,
-               **options: Any) -> PromptCache:
-    """Apply the policy and return the caches to pass as `prompt_cache`; prints the [kv] line unless quiet."""
-    chosen = policy(model, scheme, name=name, **options)
+               max_kv_size: int | None = None, **options: Any) -> PromptCache:
+    """Apply the policy and return the caches to pass as `prompt_cache`; prints the [kv] line unless quiet.
+
+    `max_kv_size`: rolling windows of that many tokens for the growing attention layers (see `policy`)."""
+    chosen = policy(model, scheme, name=name, max_kv_size=max_kv_size, **options)
+    cache = chosen.make_cache()  # first: the [kv] line then says if a kernel failed its self-check
     if not quiet:
         print(chosen, file=sys.stdout)
-    return chosen.make_cache()
+    return cache

@@ -33,9 +33,18 @@ LOG_SCALE_CLIP = (-0.3, 10.0)
 IMBALANCE_EPS = 1e-8
 
 
-def record_bytes(bits: int) -> int:
-    """Bytes of one record: 128 x 128 codes of `bits` bits plus three fp16 vectors of 128."""
-    return TILE * TILE * bits // 8 + 3 * TILE * 2
+def record_bytes(bits: int, channels: int = TILE, kind: str = "k") -> int:
+    """Bytes of one record: 128 tokens x `channels` codes of `bits` bits plus three fp16 axis vectors, two along
+    the tile's rows (K: channels, V: tokens) and one along its columns. gmlx's records have 128 channels:
+    2048 * bits + 768 bytes for K and V alike."""
+    rows, cols = (channels, TILE) if kind == "k" else (TILE, channels)
+    return TILE * channels * bits // 8 + (2 * rows + cols) * 2
+
+
+def slice_width(head_dim: int) -> int:
+    """Channels per record: 128 (gmlx's format: head dims 128, 256, 512 are whole slices), or the whole head
+    for the narrower heads of the head-dim extension (64, 96)."""
+    return min(head_dim, TILE)
 
 
 def region_tokens(context: int, kv_tail_tokens: int, newest: int = 1) -> dict[str, int]:
@@ -55,9 +64,9 @@ def region_tokens(context: int, kv_tail_tokens: int, newest: int = 1) -> dict[st
     return {"sink": sink, "body": sealed, "live": recent - tail, "tail": tail}
 
 
-def words_per_row(bits: int) -> int:
-    """uint32 words holding one row of 128 codes: 128 * bits / 32."""
-    return TILE * bits // 32
+def words_per_row(bits: int, codes: int = TILE) -> int:
+    """uint32 words holding one row of `codes` codes (128 in gmlx's records): codes * bits / 32."""
+    return codes * bits // 32
 
 
 def pack_rows(codes: mx.array, bits: int) -> mx.array:
@@ -70,7 +79,7 @@ def pack_rows(codes: mx.array, bits: int) -> mx.array:
     codes = codes.astype(mx.uint32)
     bit_index = mx.arange(bits, dtype=mx.uint32)
     stream = (codes[..., None] >> bit_index) & 1  # (..., 128, bits)
-    stream = stream.reshape(*codes.shape[:-1], words_per_row(bits), 32)
+    stream = stream.reshape(*codes.shape[:-1], words_per_row(bits, codes.shape[-1]), 32)
     return (stream << mx.arange(32, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
 
 
@@ -82,10 +91,11 @@ def unpack_rows(words: mx.array, bits: int) -> mx.array:
     j*bits//8 and the next one: the stream read as little-endian bytes, which all of MLX's hosts are.
     """
     mask = (1 << bits) - 1
+    n = words.shape[-1] * 32 // bits  # codes per row: 128 in gmlx's records
     if 32 % bits == 0:
         shifts = mx.arange(32 // bits, dtype=mx.uint32) * bits
-        return ((words[..., None] >> shifts) & mask).reshape(*words.shape[:-1], TILE)
-    groups = words.view(mx.uint8).reshape(*words.shape[:-1], TILE // 8, bits).astype(mx.uint32)
+        return ((words[..., None] >> shifts) & mask).reshape(*words.shape[:-1], n)
+    groups = words.view(mx.uint8).reshape(*words.shape[:-1], n // 8, bits).astype(mx.uint32)
     codes = []
     for j in range(8):
         byte, shift = divmod(j * bits, 8)
@@ -93,7 +103,7 @@ def unpack_rows(words: mx.array, bits: int) -> mx.array:
         if shift + bits > 8:  # the code continues in the next byte
             x = x | (groups[..., byte + 1] << 8)
         codes.append((x >> shift) & mask)
-    return mx.stack(codes, axis=-1).reshape(*words.shape[:-1], TILE)
+    return mx.stack(codes, axis=-1).reshape(*words.shape[:-1], n)
 
 
 def _stds(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -174,6 +184,10 @@ class Records:
         parts = [mx.concatenate([a, b], axis=2) for a, b in zip(self.arrays, later.arrays)]
         return Records(*parts, bits=self.bits, kind=self.kind)
 
+    def drop_first(self, n: int) -> Records:
+        """These records without the first `n` along the record axis (2) of a cache body (a rolling window)."""
+        return Records(*(mx.contiguous(a[:, :, n:]) for a in self.arrays), bits=self.bits, kind=self.kind)
+
     def take(self, index: tuple) -> Records:
         """The records at `index` of every field (e.g. one head's record), without the imbalances."""
         return replace(self, codes=self.codes[index], scale_axis=self.scale_axis[index],
@@ -250,7 +264,8 @@ def decode_tiles(codes: mx.array, scale_axis: mx.array, zp_axis: mx.array, other
 def to_tiles(x: mx.array, kind: str) -> mx.array:
     """Tokens (B, H, n*128, D) to record tiles (B, H, n, D/128, rows, cols) oriented for `kind`."""
     b, h, t, d = x.shape
-    tiles = x.reshape(b, h, t // TILE, TILE, d // TILE, TILE).transpose(0, 1, 2, 4, 3, 5)
+    w = slice_width(d)
+    tiles = x.reshape(b, h, t // TILE, TILE, d // w, w).transpose(0, 1, 2, 4, 3, 5)
     return tiles.swapaxes(-1, -2) if kind == "k" else tiles
 
 
@@ -258,8 +273,8 @@ def from_tiles(tiles: mx.array, kind: str) -> mx.array:
     """Inverse of `to_tiles`: tiles (B, H, n, S, rows, cols) back to tokens (B, H, n*128, S*128)."""
     if kind == "k":
         tiles = tiles.swapaxes(-1, -2)
-    b, h, n, s = tiles.shape[:4]
-    return tiles.transpose(0, 1, 2, 4, 3, 5).reshape(b, h, n * TILE, s * TILE)
+    b, h, n, s, _, w = tiles.shape
+    return tiles.transpose(0, 1, 2, 4, 3, 5).reshape(b, h, n * TILE, s * w)
 
 
 def encode_tokens(x: mx.array, bits: int, kind: str, iters: int = 16) -> Records:

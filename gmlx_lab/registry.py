@@ -22,7 +22,8 @@ BASELINE = "fp16"  # the scheme every policy falls back to, and the reference of
 
 # The widths and head dims the built-in caches accept: the caches and records.py read them, and they sit below
 # the scheme modules (gmlx_lab/schemes/), so these constants live here.
-KVARN_HEAD_DIMS = (128, 256, 512)
+KVARN_HEAD_DIMS = (128, 256, 512)  # gmlx's: whole 128-channel record slices
+KVARN_EXT_HEAD_DIMS = (64, 96)  # the head-dim extension (option head_dim_ext=1): records of 128 tokens x the head
 KVARN_BITS_ENV = "GMLX_KVARN_BITS"
 AFFINE_BITS = (2, 3, 4, 6, 8)
 KVARN_BITS = (2, 3, 4, 5, 6, 8)
@@ -137,6 +138,17 @@ class Scheme:
         The shared rules (recurrent state, sliding windows, the last of a deep stack) are the policy's.
         """
         return None
+
+    def reason_taken(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str:
+        """The reason recorded for a layer the scheme takes."""
+        return "growing attention"
+
+    def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
+        """Refuse a rolling window (`max_kv_size`) this scheme's layers cannot roll; by default the shared rule
+        (gmlx_lab/window.py: the 128-token sink and whole groups of 128)."""
+        from .window import check  # window.py reads records.py, which reads this module's constants
+
+        check(max_kv_size, None, where)
 
     def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
         """Stored bytes of one layer (batch 1) holding `tokens` tokens, growth reserve excluded."""

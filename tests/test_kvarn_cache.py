@@ -179,3 +179,31 @@ def test_env_override_of_widths(monkeypatch):
         monkeypatch.setenv("GMLX_KVARN_BITS", bad)
         with pytest.raises(ValueError, match="GMLX_KVARN_BITS"):
             kvarn.resolve()
+
+
+@pytest.mark.parametrize("dim", [64, 96])
+def test_head_dim_extension_stores_narrow_heads(dim):
+    """head_dim_ext=1: records of 128 tokens x the whole head (outside gmlx's format), the same algorithm."""
+    k, v = random_kv(700, dim=dim)
+    with pytest.raises(ValueError, match=f"head_dim {dim}.*head_dim_ext=1"):
+        KVarNCache(4, 4).update_and_fetch(k, v)
+    cache = KVarNCache(4, 4, kv_tail_tokens=128, head_dim_ext=1)
+    feed(cache, k, v, [699, 1])
+    assert cache.n_records == 3 and cache.record("k", 0, 0, 0).codes.shape == (dim, 16)
+    assert cache.regions()["record_codes"] == 2 * 2 * 3 * 128 * dim * 4 // 8  # K and V, 2 heads, 3 records
+    kk, vv = cache.fetch()
+    body = slice(128, 128 + 3 * 128)
+    rel = mx.sqrt(mx.mean((vv[:, :, body] - v[:, :, body]) ** 2)) / mx.sqrt(mx.mean(v[:, :, body] ** 2))
+    assert 0 < float(rel) < 0.15  # 4-bit records
+
+
+def test_policy_takes_narrow_heads_only_with_the_extension():
+    from conftest import tiny_llama
+
+    import gmlx_lab
+
+    model = tiny_llama(head_dim=64)
+    assert "head_dim 64: kvarn needs 128/256/512 (head_dim_ext=1 takes 64/96)" in str(gmlx_lab.policy(model, "kvarn"))
+    chosen = gmlx_lab.policy(model, "kvarn", bits=4, head_dim_ext=1)
+    assert "kvarn4 tail=1024 ext -> quantized 3/4" in str(chosen) and "outside gmlx's format" in str(chosen)
+    assert chosen.layers[0].decision == "kvarn" and "extension" in chosen.layers[0].reason

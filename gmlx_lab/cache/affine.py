@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from ..kernels import active_backend, affine_attend, affine_supported
 from ..registry import get_scheme
+from ..window import GROUP, SINK_TOKENS, groups_to_drop
 from .attention import apply_mask
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer
@@ -23,6 +24,8 @@ from .fp16 import STORE_DTYPE, GrowingBuffer
 
 class AffineCache(GmlxCache):
     """K/V quantized per token in groups; fp16 until `quantized_kv_start` tokens have arrived."""
+
+    KERNELS = ("affine_decode",)
 
     def __init__(
         self,
@@ -80,21 +83,33 @@ class AffineCache(GmlxCache):
         dtype = keys.dtype
         if self.rotate:
             keys, values = mx.hadamard_transform(keys), mx.hadamard_transform(values)
-        start, self.offset = self.offset, self.offset + keys.shape[2]
+        start = self.held
+        self.offset += keys.shape[2]
         if self.quantized:
             self._write_packed(start, keys, values)
         else:
             self.fp16[0].write(start, keys)
             self.fp16[1].write(start, values)
             if self.offset >= self.quantized_kv_start:
-                self._write_packed(0, self.fp16[0].view(self.offset), self.fp16[1].view(self.offset))
+                self._write_packed(0, self.fp16[0].view(self.held), self.fp16[1].view(self.held))
                 self.fp16 = None
-        k, v = self._stored(self.offset, dtype)
+        if self.max_kv_size is not None:
+            self._roll(keys.shape[2])
+        k, v = self._stored(self.held, dtype)
         if self.rotate:  # hand back K/V in the model's own (unrotated) space
             k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
         if k.dtype != dtype:
             k, v = k.astype(dtype), v.astype(dtype)
         return self._return(k, v)
+
+    def _roll(self, newest: int) -> None:
+        """The rolling window: the oldest groups of tokens after the sink leave (gmlx_lab/window.py)."""
+        drop = groups_to_drop(self.held, self.max_kv_size, newest) * GROUP
+        if drop:
+            buffers = [b for bufs in self.packed for b in bufs] if self.quantized else list(self.fp16)
+            for buf in buffers:
+                buf.remove(SINK_TOKENS, SINK_TOKENS + drop, self.held)
+            self.dropped += drop
 
     def _stored(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Stored K/V (rotated if `rotate`) as arrays of `dtype`, decoded if quantized."""
@@ -107,20 +122,20 @@ class AffineCache(GmlxCache):
 
         keys/values are what update_and_fetch returned (the decoded codes); the fused path does not read them.
         """
-        route = self.kernel_route(self.quantized and affine_supported(queries, mask))
+        route = self.kernel_route(self.quantized and affine_supported(queries, mask), "affine_decode")
         if route is not None:
             parts = [[b.data for b in bufs] for bufs in self.packed]
-            return affine_attend(queries, scale, mask, parts, self.offset, self.k_bits, self.group_size,
+            return affine_attend(queries, scale, mask, parts, self.held, self.k_bits, self.group_size,
                                  self.rotate, emulate=route == "emulated")
         q = mx.hadamard_transform(queries) if self.rotate else queries
         if not self.quantized or self._cuda_long_block(queries):
             # fp16 rows; or, on CUDA, a query block (prefill) that MLX's CUDA quantized_matmul has no kernel
             # for (mlx 0.32.4 raises "No implementation for problem shape"): attend over the decoded codes,
             # the very values quantized_matmul would use.
-            k, v = self._stored(self.offset, q.dtype)
+            k, v = self._stored(self.held, q.dtype)
             out = mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
         else:
-            qk, qv = ([b.view(self.offset) for b in bufs] for bufs in self.packed)
+            qk, qv = ([b.view(self.held) for b in bufs] for bufs in self.packed)
             out = self._quantized_attention(q, qk, qv, scale, mask)
         return mx.hadamard_transform(out) if self.rotate else out
 
@@ -152,7 +167,7 @@ class AffineCache(GmlxCache):
         return out.reshape(b, hq, length, -1).astype(out_dtype)
 
     def trim(self, n: int) -> int:
-        n = self.check_trim(n, self.offset, "")
+        n = self.check_trim(n, self.held, "")
         self.offset -= n
         return n
 
@@ -161,29 +176,30 @@ class AffineCache(GmlxCache):
             codes = array_bytes(*(bufs[0].data for bufs in self.packed))
             scales = array_bytes(*(b.data for bufs in self.packed for b in bufs[1:]))
             cap = self.packed[0][0].capacity()
-            used = (codes + scales) * self.offset // cap if cap else 0
-            return {"codes": codes * self.offset // cap, "scales": scales * self.offset // cap,
+            used = (codes + scales) * self.held // cap if cap else 0
+            return {"codes": codes * self.held // cap, "scales": scales * self.held // cap,
                     "reserve": codes + scales - used}
         total = array_bytes(*(b.data for b in self.fp16))
         cap = self.fp16[0].capacity()
-        used = total * self.offset // cap if cap else 0
+        used = total * self.held // cap if cap else 0
         return {"fp16": used, "reserve": total - used}
 
     @property
     def state(self) -> tuple[Any, ...]:
-        meta = (self.offset, self.k_bits, self.group_size, self.quantized_kv_start, int(self.rotate), self.layer)
+        meta = (self.offset, self.k_bits, self.group_size, self.quantized_kv_start, int(self.rotate), self.layer,
+                self.max_kv_size, self.dropped)
         if self.offset == 0:
             return (None, None, *meta)
         if self.quantized:
-            k, v = ([b.view(self.offset) for b in bufs] for bufs in self.packed)
+            k, v = ([b.view(self.held) for b in bufs] for bufs in self.packed)
             return (k, v, *meta)
-        return (self.fp16[0].view(self.offset), self.fp16[1].view(self.offset), *meta)
+        return (self.fp16[0].view(self.held), self.fp16[1].view(self.held), *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        keys, values, offset, bits, group_size, start, rotate, layer = v
+        keys, values, offset, bits, group_size, start, rotate, layer, max_kv_size, dropped = v
         self.__init__(bits, group_size, start, bool(rotate), layer)
-        self.offset = offset
+        self.offset, self.max_kv_size, self.dropped = offset, max_kv_size, dropped
         if keys is None:
             return
         packed = isinstance(keys, (list, tuple))  # codes as uint32 words of 32 / bits values each

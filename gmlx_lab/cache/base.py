@@ -25,7 +25,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from ..kernels import active_backend
+from .. import window
+from ..kernels import active_backend, selfcheck
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 CHECK_FINITE_ENV = "GMLX_CHECK_FINITE"
@@ -41,6 +42,7 @@ class GmlxCache(_BaseCache):
     """Base of the gmlx_lab caches: the parts of the contract that do not depend on storage."""
 
     scheme = "?"
+    KERNELS: tuple[str, ...] = ()  # the fused kernels this cache uses on a GPU (each self-checked on first use)
     # the finiteness check of arriving K/V (see the module docstring)
     check_finite_on = os.environ.get(CHECK_FINITE_ENV, "1") != "0"
     # "auto": fused GPU kernels on a GPU backend, the pure-MLX reference on the CPU; "reference" forces the
@@ -49,8 +51,10 @@ class GmlxCache(_BaseCache):
     ATTENTION_PATHS = ("auto", "reference", "fused", "emulated")
 
     def __init__(self, layer: int | None = None):
-        self.offset = 0
+        self.offset = 0  # tokens that arrived (positions keep counting in a rolling window)
         self.layer = layer
+        self.max_kv_size: int | None = None  # a rolling window (gmlx_lab/window.py), or None
+        self.dropped = 0  # tokens the window dropped
         self._fetched: tuple[weakref.ref, weakref.ref] | None = None
         self._shape: tuple[int, int, int, int] | None = None  # batch, kv heads, k dim, v dim
         self._dtype: mx.Dtype | None = None  # of the first update's K/V (None: they differ)
@@ -148,6 +152,37 @@ class GmlxCache(_BaseCache):
                     "accepted: finite K/V (check the model's inputs and dtype)"
                 )
 
+    # -- the rolling window -----------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Tokens the cache holds now: all that arrived, less what a rolling window dropped."""
+        return self.offset - self.dropped
+
+    def window_check(self, max_kv_size: int | None) -> None:
+        """Refuse a window this cache cannot roll (kvarn: it must hold the sink, the tail and two groups)."""
+        window.check(max_kv_size, None, self.where())
+
+    def set_window(self, max_kv_size: int | None) -> None:
+        """Make this (empty) cache a rolling window of `max_kv_size` tokens; None: no window."""
+        if self.offset:
+            raise ValueError(f"{self.where()}: set the window of an empty cache (this one holds {self.offset} tokens)")
+        self.window_check(max_kv_size)
+        self.max_kv_size = max_kv_size
+
+    def settle(self) -> None:
+        """Do now what the next update would do first: roll the window (kvarn also seals its due records), so
+        `nbytes` shows the steady state; the tokens dropped or sealed can no longer be trimmed."""
+        if self.max_kv_size is not None:
+            self._roll(0)
+
+    def _roll(self, newest: int) -> None:
+        """Drop what the rolling window no longer holds (each cache, for its storage)."""
+        raise NotImplementedError
+
+    def held_positions(self) -> list[tuple[int, int]]:
+        """The token positions held, as [start, end) ranges (one range without a window)."""
+        return window.held_positions(self.offset, self.dropped)
+
     # -- the attention seam -----------------------------------------------------------------------
     def fetched(self, keys: Any, values: Any) -> bool:
         """True when keys/values are the very arrays the last update_and_fetch returned."""
@@ -160,8 +195,11 @@ class GmlxCache(_BaseCache):
         self._fetched = (weakref.ref(keys), weakref.ref(values))
         return keys, values
 
-    def kernel_route(self, supported: bool) -> str | None:
-        """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path."""
+    def kernel_route(self, supported: bool, kernel: str) -> str | None:
+        """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path.
+
+        The fused route needs `kernel` to have passed its self-check on this GPU (kernels/selfcheck.py);
+        if it failed, "auto" takes the reference path (the check warned) and "fused" is an error."""
         path = self.attention_path
         if path not in self.ATTENTION_PATHS:
             raise ValueError(f"{self.where()}: attention_path={path!r}; accepted: {', '.join(self.ATTENTION_PATHS)}")
@@ -169,7 +207,30 @@ class GmlxCache(_BaseCache):
             return None
         if path == "emulated":
             return "emulated"
-        return "fused" if path == "fused" or active_backend() != "cpu" else None
+        if path == "auto" and active_backend() == "cpu":
+            return None
+        if not selfcheck.passed(kernel):
+            if path == "fused":
+                raise RuntimeError(f"{self.where()}: kernel {kernel} failed its self-check on this GPU "
+                                   f"({selfcheck.failure(kernel)}); use attention_path='auto' or 'reference'")
+            return None
+        return "fused"
+
+    def uses_kernel(self, kernel: str) -> bool:
+        """Whether this cache runs `kernel` (sealing, decoding) rather than its pure-MLX twin: a GPU backend, not
+        the reference path, and a passed self-check."""
+        return self.attention_path != "reference" and active_backend() != "cpu" and selfcheck.passed(kernel)
+
+    def attention_route(self) -> str:
+        """How this cache attends and stores on this machine, in words (the fused kernels, or why not)."""
+        if self.attention_path == "reference" or not self.KERNELS:
+            return "reference (pure MLX)" if self.KERNELS else "mlx.fast.scaled_dot_product_attention"
+        if active_backend() == "cpu":
+            return "reference (pure MLX: no GPU backend)"
+        failed = [f"{k}: {selfcheck.failure(k)}" for k in self.KERNELS if not selfcheck.passed(k)]
+        if failed:
+            return "reference for " + "; ".join(failed) + " (failed self-check)"
+        return "fused kernels: " + ", ".join(self.KERNELS)
 
     # -- contract ---------------------------------------------------------------------------------
     def size(self) -> int:
@@ -204,7 +265,7 @@ class GmlxCache(_BaseCache):
     def __deepcopy__(self, memo: dict) -> GmlxCache:
         """An independent copy: MLX arrays are values (an update makes new ones), so the copy may share them."""
         new = type(self).from_state(copy.copy(self.state))
-        for name in ("attention_path", "check_finite_on"):
+        for name in ("attention_path", "check_finite_on"):  # switches set on the instance
             if name in self.__dict__:
                 setattr(new, name, self.__dict__[name])
         new._flags, new._unchecked = list(self._flags), list(self._unchecked)

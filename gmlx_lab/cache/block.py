@@ -49,7 +49,8 @@ from .fp16 import STORE_DTYPE, GrowingBuffer
 __all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
 
 GEOMETRY = ("block_tokens", "sink_tokens", "kv_tail_tokens")  # options a scheme may set, or class attributes
-STATE = ("offset", "layer", "options", "sink", "body", "recent", "sink_count", "recent_count", "newest")
+STATE = ("offset", "layer", "options", "sink", "body", "recent", "sink_count", "recent_count", "newest", "max_kv_size",
+         "dropped")
 
 
 def clashes(name: str) -> bool:
@@ -188,6 +189,17 @@ class BlockCache(GmlxCache):
         self.newest = 0
         return n
 
+    def settle(self) -> None:
+        """Encode what is due now, as the next update would (see GmlxCache.settle)."""
+        self.seal()
+        super().settle()
+
+    def window_check(self, max_kv_size: int | None) -> None:
+        """Block schemes have no rolling window yet (its groups of 128 would have to line up with the blocks)."""
+        if max_kv_size is not None:
+            raise ValueError(f"{self.where()}: {type(self).__name__} has no rolling window (max_kv_size); "
+                             "accepted: None")
+
     def _encode(self, blocks: int) -> None:
         """Encode the oldest `blocks` blocks of recent tokens into the body (K and V both)."""
         if blocks <= 0:
@@ -201,7 +213,7 @@ class BlockCache(GmlxCache):
             self.body = KV(*(tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old, parts))
                              for old, parts in zip(self.body, new)))
         for buf in self.recent:
-            buf.drop_front(tokens, self.recent_count)
+            buf.remove(0, tokens, self.recent_count)
         self.recent_count -= tokens
 
     def _encode_blocks(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
@@ -324,6 +336,10 @@ class BlockScheme(Scheme):
 
     def make_cache(self, options: dict[str, Any], layer: int | None = None) -> BlockCache:
         return self.cache_class(layer=layer, **options)
+
+    def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
+        """No rolling window for block schemes yet (BlockCache.window_check)."""
+        raise ValueError(f"{where}: {self.cache_class.__name__} has no rolling window (max_kv_size); accepted: None")
 
     def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
         """A layer whose head dims the class cannot encode stays fp16, with the class's reason."""

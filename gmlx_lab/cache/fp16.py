@@ -6,6 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..window import GROUP, SINK_TOKENS, groups_to_drop
 from .base import GmlxCache, array_bytes
 
 STORE_DTYPE = mx.float16
@@ -37,9 +38,16 @@ class GrowingBuffer:
         """The first `end` tokens."""
         return self.data if end == self.data.shape[2] else self.data[:, :, :end]
 
-    def drop_front(self, n: int, end: int) -> None:
-        """Forget tokens [0, n) of the `end` held: the rest move to the front (one copy)."""
-        self.data = mx.contiguous(self.data[:, :, n:end]) if end > n else None
+    def remove(self, start: int, stop: int, end: int) -> None:
+        """Forget tokens [start, stop) of the `end` held: the later ones move down (one copy) into a buffer
+        of whole growth steps, so the size depends only on the tokens held (a rolling window stays flat)."""
+        kept = end - (stop - start)
+        parts = [self.data[:, :, :start]] if start else []
+        parts += [self.data[:, :, stop:end]] if end > stop else []
+        spare = -(-max(kept, 1) // self.step) * self.step - kept
+        if spare:
+            parts.append(mx.zeros((*self.data.shape[:2], spare, self.data.shape[3]), self.dtype))
+        self.data = mx.concatenate(parts, axis=2)
 
     def capacity(self) -> int:
         return 0 if self.data is None else self.data.shape[2]
@@ -60,37 +68,49 @@ class FP16Cache(GmlxCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         keys, values = self.arrive(keys, values)
-        prev = self.offset
-        self.offset += keys.shape[2]
-        self.keys.write(prev, keys)
-        self.values.write(prev, values)
-        k, v = self.keys.view(self.offset), self.values.view(self.offset)
+        n = keys.shape[2]
+        held = self.held
+        self.keys.write(held, keys)
+        self.values.write(held, values)
+        self.offset += n
+        if self.max_kv_size is not None:
+            self._roll(n)
+        k, v = self.keys.view(self.held), self.values.view(self.held)
         if k.dtype != keys.dtype:
             k, v = k.astype(keys.dtype), v.astype(values.dtype)
         return self._return(k, v)
 
+    def _roll(self, newest: int) -> None:
+        """The rolling window: drop the oldest groups after the sink (gmlx_lab/window.py)."""
+        drop = groups_to_drop(self.held, self.max_kv_size, newest) * GROUP
+        if drop:
+            for buf in (self.keys, self.values):
+                buf.remove(SINK_TOKENS, SINK_TOKENS + drop, self.held)
+            self.dropped += drop
+
     def trim(self, n: int) -> int:
-        n = self.check_trim(n, self.offset, "")
+        n = self.check_trim(n, self.held, "")
         self.offset -= n
         return n
 
     def regions(self) -> dict[str, int]:
         total = array_bytes(self.keys.data, self.values.data)
         cap = self.keys.capacity()
-        used = total * self.offset // cap if cap else 0
+        used = total * self.held // cap if cap else 0
         return {"tokens": used, "reserve": total - used}
 
     @property
     def state(self) -> tuple[Any, ...]:
+        meta = (self.offset, self.layer, self.max_kv_size, self.dropped)
         if self.offset == 0:
-            return (None, None, 0, self.layer)
-        return (self.keys.view(self.offset), self.values.view(self.offset), self.offset, self.layer)
+            return (None, None, *meta)
+        return (self.keys.view(self.held), self.values.view(self.held), *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        keys, values, offset, layer = v
+        keys, values, offset, layer, max_kv_size, dropped = v
         self.__init__(layer)
-        self.offset = offset
+        self.offset, self.max_kv_size, self.dropped = offset, max_kv_size, dropped
         self.keys.data, self.values.data = keys, values
         if keys is not None:
             self._shape = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])

@@ -24,9 +24,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import MAX_QUERY_TOKENS, active_backend, kvarn_attend, kvarn_supported, seal_records, unpack_records
+from .. import window
+from ..kernels import MAX_QUERY_TOKENS, kvarn_attend, kvarn_supported, seal_records, unpack_records
 from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
-from ..registry import KVARN_HEAD_DIMS, get_scheme
+from ..registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
+from ..window import groups_to_drop
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer
 
@@ -37,6 +39,7 @@ class KVarNCache(GmlxCache):
     """kvarn: fp16 sink and recent tokens around a body of bit-packed, variance-normalized records."""
 
     scheme = "kvarn"
+    KERNELS = ("kvarn_decode", "kvarn_seal", "kvarn_unpack")
 
     def __init__(
         self,
@@ -45,10 +48,12 @@ class KVarNCache(GmlxCache):
         kv_tail_tokens: int = 1024,
         norm_iters: int = 16,
         layer: int | None = None,
+        head_dim_ext: int = 0,
     ):
         super().__init__(layer)
         get_scheme("kvarn").check(self.where(), k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens,
-                                  norm_iters=norm_iters)
+                                  norm_iters=norm_iters, head_dim_ext=head_dim_ext)
+        self.head_dim_ext = head_dim_ext  # 1: also head dims 64 and 96 (records outside gmlx's format)
         self.k_bits, self.v_bits = k_bits, v_bits
         self.kv_tail_tokens = kv_tail_tokens
         self.norm_iters = norm_iters
@@ -80,10 +85,13 @@ class KVarNCache(GmlxCache):
     # -- storing --------------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self._shape is None:  # later updates must have the first one's shape (GmlxCache.arrive)
+            accepted = KVARN_HEAD_DIMS + (KVARN_EXT_HEAD_DIMS if self.head_dim_ext else ())
             for name, x in (("keys", keys), ("values", values)):
-                if getattr(x, "ndim", 0) == 4 and x.shape[-1] not in KVARN_HEAD_DIMS:
+                if getattr(x, "ndim", 0) == 4 and x.shape[-1] not in accepted:
+                    ext = "" if self.head_dim_ext else f" ({'/'.join(map(str, KVARN_EXT_HEAD_DIMS))} with the " \
+                                                         "head-dim extension: head_dim_ext=1)"
                     raise ValueError(f"{self.where()}: kvarn does not accept {name} head_dim {x.shape[-1]}; "
-                                     f"accepted head dims: {', '.join(map(str, KVARN_HEAD_DIMS))}")
+                                     f"accepted head dims: {', '.join(map(str, accepted))}{ext}")
         keys, values = self.arrive(keys, values)
         n = keys.shape[2]
         room = SINK_TOKENS - self.sink_tokens
@@ -102,6 +110,8 @@ class KVarNCache(GmlxCache):
         due = self.due_groups()
         if due:
             self._seal(due)
+        if self.max_kv_size is not None:
+            self._roll(n)
         return self._return(*self.fetch(keys.dtype, decode_step=n <= MAX_QUERY_TOKENS))
 
     def due_groups(self) -> int:
@@ -127,27 +137,41 @@ class KVarNCache(GmlxCache):
         new = []
         for buf, bits, kind in ((self.recent.k, self.k_bits, "k"), (self.recent.v, self.v_bits, "v")):
             chunk = mx.hadamard_transform(buf.data[:, :, :tokens])
-            if self.on_gpu():
+            if self._shape[2] in KVARN_HEAD_DIMS and self.uses_kernel("kvarn_seal"):  # the kernel's 128-wide tiles
                 new.append(seal_records(chunk, bits, kind, self.norm_iters))
             else:
                 new.append(encode_tokens(chunk, bits, kind, self.norm_iters))
         new = [Records(*r.arrays, bits=r.bits, kind=r.kind) for r in new]  # the imbalances are not stored
         self.body = KV(*new) if self.body is None else KV(*(old.concat(r) for old, r in zip(self.body, new)))
         for buf in self.recent:
-            buf.drop_front(tokens, self.recent_tokens)
+            buf.remove(0, tokens, self.recent_tokens)
         self.recent_tokens -= tokens
         self._prefix = None
 
-    def on_gpu(self) -> bool:
-        """Whether this cache seals and decodes with the GPU kernels (a GPU backend, not the reference path)."""
-        return self.attention_path != "reference" and active_backend() != "cpu"
+    def settle(self) -> None:
+        """Seal what is due and roll the window, as the next update would (see GmlxCache.settle)."""
+        self.seal()
+        super().settle()
+
+    def _roll(self, newest: int) -> None:
+        """The rolling window: the oldest whole records leave (gmlx_lab/window.py); the sink and tail stay."""
+        drop = min(groups_to_drop(self.held, self.max_kv_size, newest), self.n_records)
+        if drop:
+            self.body = KV(*(r.drop_first(drop) for r in self.body)) if drop < self.n_records else None
+            self.dropped += drop * TILE
+            self._prefix = None
+
+    def window_check(self, max_kv_size: int | None) -> None:
+        """A kvarn window must hold the sink, the fp16 tail and whole records beside the live group."""
+        window.check(max_kv_size, self.kv_tail_tokens, self.where())
 
     # -- reading -------------------------------------------------------------------------
     def decoded_body(self, dtype: mx.Dtype = mx.float32) -> KV | None:
         """The body's K and V decoded to (B, H, tokens, D) in the model's space (rotated back)."""
         if self.body is None:
             return None
-        decode = unpack_records if self.on_gpu() else decode_tokens
+        wide = self._shape[2] in KVARN_HEAD_DIMS  # the kernel's 128-wide tiles
+        decode = unpack_records if wide and self.uses_kernel("kvarn_unpack") else decode_tokens
         return KV(*(mx.hadamard_transform(decode(r, dtype)) for r in self.body))
 
     def fetch(self, dtype: mx.Dtype = mx.float32, decode_step: bool = False) -> KV:
@@ -157,7 +181,7 @@ class KVarNCache(GmlxCache):
         built as a graph once per seal and reused (evaluated only if the model reads the K/V itself, and
         then kept until the next seal, which spares it a decode per step).
         """
-        if decode_step and self.kernel_route(True) == "fused":
+        if decode_step and self.kernel_route(True, "kvarn_decode") == "fused":
             if self._prefix is None:
                 self._prefix = self._decoded_prefix(dtype)
             pk, pv = self._prefix
@@ -182,7 +206,7 @@ class KVarNCache(GmlxCache):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention over every region: the fused kernels on a GPU, else softmax over the fetched K/V."""
         parts = self.parts()
-        route = self.kernel_route(kvarn_supported(parts, queries, mask))
+        route = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode")
         if route is not None:
             return kvarn_attend(queries, scale, mask, parts, emulate=route == "emulated")
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -238,14 +262,15 @@ class KVarNCache(GmlxCache):
         recent = (None, None)
         if self.recent_tokens:
             recent = (self.recent.k.view(self.recent_tokens), self.recent.v.view(self.recent_tokens))
-        meta = (self.offset, self.k_bits, self.v_bits, self.kv_tail_tokens, self.norm_iters, self.layer, self.newest)
+        meta = (self.offset, self.k_bits, self.v_bits, self.kv_tail_tokens, self.norm_iters, self.layer, self.newest,
+                self.max_kv_size, self.dropped, self.head_dim_ext)
         return (*sink, *body, *recent, *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest = v
-        self.__init__(k_bits, v_bits, tail, iters, layer)
-        self.offset, self.newest = offset, newest
+        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest, max_kv_size, dropped, ext = v
+        self.__init__(k_bits, v_bits, tail, iters, layer, ext)
+        self.offset, self.newest, self.max_kv_size, self.dropped = offset, newest, max_kv_size, dropped
         if sk is not None:
             self.sink, self.sink_tokens = KV(sk, sv), sk.shape[2]
             self._shape = (sk.shape[0], sk.shape[1], sk.shape[3], sv.shape[3])

@@ -10,6 +10,7 @@ On the CPU the caches use their pure-MLX reference attention; tests run the kern
 on CPU threads there (`threads.py`, one fiber per GPU lane).
 """
 
+from . import selfcheck  # noqa: E402  (after the modules it checks)
 from .build import active_backend, assemble
 from .decode import (
            MAX_QUERY_TOKENS,
@@ -25,4 +26,4 @@ from .seal import seal_records
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
 __all__ = ["KERNELS", "MAX_QUERY_TOKENS", "active_backend", "assemble", "affine_attend", "affine_supported",
-           "kvarn_attend", "kvarn_supported", "merge_splits", "seal_records", "unpack_records"]
+           "kvarn_attend", "kvarn_supported", "merge_splits", "seal_records", "selfcheck", "unpack_records"]

@@ -14,9 +14,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .. import records
+from .. import records, window
 from ..cache.kvarn import KVarNCache
-from ..registry import KVARN_BITS, KVARN_BITS_ENV, KVARN_HEAD_DIMS, Option, Scheme, register_scheme
+from ..registry import KVARN_BITS, KVARN_BITS_ENV, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, Option, Scheme, register_scheme
 
 OPTIONS = (
     Option("bits", 6, "code width for K and V", KVARN_BITS),
@@ -24,6 +24,8 @@ OPTIONS = (
     Option("v_bits", None, "code width for V (default: bits)", KVARN_BITS),
     Option("kv_tail_tokens", 1024, "newest tokens kept in fp16"),
     Option("norm_iters", 16, "variance-normalization rounds per record", minimum=0),
+    Option("head_dim_ext", 0, "1: also head dims 64 and 96, records of 128 tokens by the whole head "
+           "(outside gmlx's format; gmlx declines such layers)", (0, 1)),
 )
 
 
@@ -64,22 +66,43 @@ class KvarnScheme(Scheme):
 
     def make_cache(self, options: dict[str, Any], layer: int | None = None) -> KVarNCache:
         return KVarNCache(options["k_bits"], options["v_bits"], options["kv_tail_tokens"], options["norm_iters"],
-                          layer=layer)
+                          layer=layer, head_dim_ext=options.get("head_dim_ext", 0))
+
+    def label(self, values: dict[str, Any]) -> str:
+        """`kvarn6 tail=1024`, `kvarn k6v5 tail=128`; " ext" with the head-dim extension (64/96)."""
+        return super().label(values) + (" ext" if values.get("head_dim_ext") else "")
 
     def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
         if kind == "latent-attention":
             return "MLA latent cache: kvarn declines"
+        ext = options.get("head_dim_ext", 0)
         for d in sorted({k_dim, v_dim}):
+            if d in KVARN_EXT_HEAD_DIMS and ext:
+                return None
             if d not in KVARN_HEAD_DIMS:
-                return f"head_dim {d}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}"
+                hint = " (head_dim_ext=1 takes 64/96)" if d in KVARN_EXT_HEAD_DIMS else ""
+                return f"head_dim {d}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}{hint}"
         return None
 
+    def reason_taken(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str:
+        for d in sorted({k_dim, v_dim}):
+            if d in KVARN_EXT_HEAD_DIMS and options.get("head_dim_ext", 0):
+                return (f"growing attention, head_dim {d} by the head-dim extension (records of 128 tokens x "
+                        f"{d} channels: outside gmlx's format)")
+        return "growing attention"
+
+    def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
+        """A kvarn window must hold the sink, the fp16 tail and whole records beside the live group."""
+        window.check(max_kv_size, options["kv_tail_tokens"], where)
+
     def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
-        """Sealed tokens: (dk + dv) / 128 records of (2048 * bits + 768) bytes per 128 tokens; the rest fp16."""
+        """Sealed tokens: dk / w + dv / w records of 128 tokens x w channels each (w = 128, or the whole head of
+        the head-dim extension), 2048 * bits + 768 bytes at w = 128; the rest fp16."""
         regions = records.region_tokens(tokens, options["kv_tail_tokens"])
         n_rec = regions["body"] // records.TILE
-        body = n_rec * (k_dim // records.TILE * records.record_bytes(options["k_bits"]) +
-                        v_dim // records.TILE * records.record_bytes(options["v_bits"]))
+        body = n_rec * sum(d // records.slice_width(d) * records.record_bytes(options[f"{kind}_bits"],
+                                                                              records.slice_width(d), kind)
+                           for kind, d in (("k", k_dim), ("v", v_dim)))
         fp16_tokens = tokens - regions["body"]
         return kv_heads * (body + fp16_tokens * (k_dim + v_dim) * 2.0)
 
@@ -87,7 +110,8 @@ class KvarnScheme(Scheme):
         widths = (options["k_bits"], options["v_bits"])
         if (cache.k_bits, cache.v_bits) != widths:
             return f"widths k{cache.k_bits}v{cache.v_bits}, policy says k{widths[0]}v{widths[1]}", False
-        due = records.region_tokens(cache.offset, cache.kv_tail_tokens, cache.newest)["body"] // records.TILE
+        sealed = records.region_tokens(cache.offset, cache.kv_tail_tokens, cache.newest)["body"]
+        due = (sealed - cache.dropped) // records.TILE  # a rolling window dropped the oldest records
         if due and (cache.n_records < due or cache.regions()["record_codes"] == 0):
             return f"{due} records should be sealed at {cache.offset} tokens, found {cache.n_records}", True
         return "", due > 0

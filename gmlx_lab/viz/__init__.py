@@ -30,6 +30,7 @@ from .figures import (
     scheme_colors,
     sink_mass_figure,
     table_html,
+    window_stream,
 )
 from .quant import AffineRow, affine_row, hadamard, normalize_history, quant_error, record_of
 from .sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
@@ -49,7 +50,7 @@ __all__ = [
     "growth_figure", "hadamard", "imbalance_figure", "kl_strip", "layer_bytes", "layer_shapes",
     "normalize_history", "policy_bytes", "policy_strip", "quant_error", "record_bytes", "record_figure",
     "record_of", "regions_bar", "regions_stream", "scheme_color", "scheme_colors", "sink_mass_figure",
-    "source", "table_html",
+    "source", "table_html", "window_stream",
 ]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import records
+from .. import records, window
 from ..policy import Policy
 from ..records import region_tokens
 from ..registry import SCHEMES
@@ -165,6 +165,21 @@ def regions_stream(max_context: int, tail: int, step: int = 16) -> go.Figure:
     for name in ("sink", "body", "live", "tail"):
         fig.add_scatter(x=ctx, y=[r[name] for r in rows], stackgroup="one", name=name,
                         line={"color": REGION_COLORS[name], "width": 0.5})
+    return fig
+
+
+def window_stream(max_context: int, tail: int, max_kv_size: int, step: int = 16) -> go.Figure:
+    """A rolling window as tokens stream in: the regions held (stacked) stop at the window while records leave."""
+    ctx = np.arange(0, max_context + 1, step)
+    rows = [window.kvarn_regions(int(c), tail, max_kv_size) for c in ctx]
+    fig = _fig(title=f"a rolling window of {max_kv_size} tokens (kv_tail_tokens={tail}): the sink stays, "
+                     "records leave oldest first", xaxis_title="tokens so far", yaxis_title="tokens held", height=340)
+    for name in ("sink", "body", "live", "tail"):
+        fig.add_scatter(x=ctx, y=[r[name] for r in rows], stackgroup="one", name="records" if name == "body" else name,
+                        line={"color": REGION_COLORS[name], "width": 0.5})
+    fig.add_scatter(x=ctx, y=[r["dropped"] for r in rows], name="dropped (not held)", mode="lines",
+                    line={"color": "#555555", "dash": "dot"})
+    fig.add_hline(y=max_kv_size, line={"color": "#999999", "dash": "dash"}, annotation_text="max_kv_size")
     return fig
 
 

@@ -1,0 +1,142 @@
+"""Self-check of the fused kernels on first use: each runs once on a small case and must match its emulation.
+
+A kernel that fails to compile on this GPU (a Metal or CUDA version we never ran), or computes wrong, would
+otherwise break or, worse, quietly skew every quantized cache. So before the first fused call in a process,
+`passed(name)` runs that kernel's check; on a compile error or a mismatch the caches take the pure-MLX
+reference path instead, and say so loudly: a warning with the reason, a note in the policy's [kv] line and
+the cache's `attention_route()`. Results are kept for the process. On the CPU no kernel runs (not applicable).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..records import KV, KvarnParts, decode_tokens, encode_tokens, unpack_rows
+from .build import active_backend
+from .decode import affine_partials, group_queries, kvarn_partials, merge_splits, unpack_records
+from .seal import seal_records
+
+TOLERANCE = 1e-2  # relative error against the float32 emulation (the tensor cores take float16 operands)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One kernel's self-check: passed, why not, and how long it took (seconds, compile included)."""
+
+    kernel: str
+    passed: bool
+    reason: str
+    seconds: float
+
+
+_results: dict[str, CheckResult] = {}
+
+
+def _relative(a: mx.array, b: mx.array) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.linalg.norm((a - b).flatten()) / mx.maximum(mx.linalg.norm(b.flatten()), 1e-30)).item()
+
+
+def _kvarn_case() -> tuple[mx.array, KvarnParts]:
+    """Grouped queries and a small kvarn layer: 2 records, the sink and 130 recent tokens, head_dim 128."""
+    mx.random.seed(11)
+    x = mx.random.normal((2, 1, 2, 128 + 2 * 128 + 130, 128)).astype(mx.float16)
+    k, v = x[0], x[1]
+    body = KV(*(encode_tokens(mx.hadamard_transform(t[:, :, 128:384]), 4, kind) for t, kind in ((k, "k"), (v, "v"))))
+    parts = KvarnParts(KV(k[:, :, :128], v[:, :, :128]), body, KV(k[:, :, 384:], v[:, :, 384:]), 130)
+    return group_queries(mx.random.normal((1, 4, 1, 128)).astype(mx.float16), 2), parts
+
+
+def _check_kvarn_decode() -> float:
+    qg, parts = _kvarn_case()
+    ko, kl, kn = kvarn_partials(qg, 0.09, parts, 1, False, per_warp=1)
+    eo, el, _ = kvarn_partials(qg, 0.09, parts, 1, False, per_warp=1, emulate=True)
+    out, _ = merge_splits(ko, kl, rotate=True, rotated_splits=kn)
+    ref, _ = merge_splits(eo, el, rotate=True, emulate=True, rotated_splits=kn)
+    return _relative(out, ref)
+
+
+def _check_affine_decode() -> float:
+    mx.random.seed(12)
+    k, v = (mx.random.normal((1, 2, 300, 128)) for _ in range(2))
+    parts = [list(mx.quantize(t.astype(mx.float16), group_size=64, bits=4)) for t in (k, v)]
+    qg = group_queries(mx.random.normal((1, 4, 1, 128)).astype(mx.float16), 2)
+    out, _ = merge_splits(*affine_partials(qg, 0.09, parts[0], parts[1], 300, 4, 64, 1, False, per_split=1))
+    ref, _ = merge_splits(*affine_partials(qg, 0.09, parts[0], parts[1], 300, 4, 64, 1, False, per_split=1,
+                                           emulate=True), emulate=True)
+    return _relative(out, ref)
+
+
+def _check_kvarn_seal() -> float:
+    mx.random.seed(13)
+    x = mx.hadamard_transform(mx.random.normal((1, 2, 256, 128))).astype(mx.float16)
+    got, want = seal_records(x, 4, "v"), encode_tokens(x, 4, "v")
+    steps = mx.abs(unpack_rows(got.codes, 4).astype(mx.int32) - unpack_rows(want.codes, 4).astype(mx.int32))
+    if steps.max().item() > 1 or mx.mean(steps > 0).item() > 2e-3:  # summation order may flip a rounding
+        return float("inf")
+    return _relative(decode_tokens(got), decode_tokens(want))
+
+
+def _check_kvarn_unpack() -> float:
+    mx.random.seed(14)
+    records = encode_tokens(mx.hadamard_transform(mx.random.normal((1, 2, 256, 128))), 6, "k")
+    return _relative(unpack_records(records, mx.float32), decode_tokens(records))
+
+
+CHECKS: dict[str, Callable[[], float]] = {
+    "kvarn_decode": _check_kvarn_decode,  # with split_merge, which joins its splits
+    "affine_decode": _check_affine_decode,
+    "kvarn_seal": _check_kvarn_seal,
+    "kvarn_unpack": _check_kvarn_unpack,
+}
+
+
+def run(name: str) -> CheckResult:
+    """Run one kernel's check now (compiling it) and keep the result for the process."""
+    if name not in CHECKS:
+        raise ValueError(f"no self-check for kernel {name!r}; accepted: {', '.join(CHECKS)}")
+    t0 = time.perf_counter()
+    try:
+        err = CHECKS[name]()
+        passed, reason = err < TOLERANCE, f"relative error {err:.2e} against its emulation (limit {TOLERANCE})"
+    except Exception as exc:  # noqa: BLE001  (a compile or launch error is what the check is for)
+        passed, reason = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+    result = CheckResult(name, passed, reason, round(time.perf_counter() - t0, 3))
+    _results[name] = result
+    if not passed:
+        warnings.warn(f"gmlx_lab kernel {name} failed its self-check on this GPU ({reason}); the caches use the "
+                      "pure-MLX reference path for it (slower, correct). `gmlx-lab doctor` shows every check.",
+                      RuntimeWarning, stacklevel=2)
+    return result
+
+
+def passed(name: str) -> bool:
+    """Whether kernel `name` may be used on this GPU: its self-check ran (now, if not yet in this process) and
+    passed. True on the CPU, where kernels run only on CPU threads in the tests (tests/test_kernels.py)."""
+    if active_backend() == "cpu":
+        return True
+    result = _results.get(name) or run(name)
+    return result.passed
+
+
+def failure(name: str) -> str | None:
+    """Why kernel `name` is not used, if its self-check ran and failed (None otherwise)."""
+    result = _results.get(name)
+    return None if result is None or result.passed else result.reason
+
+
+def reset() -> None:
+    """Forget the results, so the next use checks again (tests; after changing a kernel in a session)."""
+    _results.clear()
+
+
+def report() -> list[CheckResult] | None:
+    """Every kernel's self-check (running those not yet run), or None on the CPU, where no kernel runs."""
+    if active_backend() == "cpu":
+        return None
+    return [_results.get(name) or run(name) for name in CHECKS]
