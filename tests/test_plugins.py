@@ -212,6 +212,8 @@ def test_trim_deepcopy_and_errors():
         toy(kv_tail_tokens=-1)
     with pytest.raises(ValueError, match="option name 'offset' clashes"):
         toy(offset=3)
+    with pytest.raises(ValueError, match="tiny: toy8 tail=16: ToyCache has no rolling window"):
+        gmlx_lab.policy(tiny_llama(layers=2), "toy", name="tiny", max_kv_size=1024)
 
 
 def test_register_refuses_clashes_and_accepts_a_rerun():
