@@ -8,6 +8,7 @@
     gmlx-lab draft --schemes fp16,affine4,kvarn4:tail=0 --draft-layers 4
     gmlx-lab weights-kv --weight-bits fp16,8,4,3 --schemes fp16,affine4,kvarn4:tail=0
     gmlx-lab lab                               # JupyterLab on the notebooks/ folder
+    gmlx-lab --plugin my_scheme fidelity --schemes affine4,mine4   # a plug-in registers its schemes first
 
 `--model` picks the model: the bundled teaching-llama by default, "smollm2-135m", "gemma3-270m",
 a specimen family (llama, gpt_oss, ...: random weights, no tokenizer) or a folder.
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import mlx.nn as nn
+
+from .plugins import load_plugin
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 EVAL_TEXT = PACKAGE_DIR / "data" / "eval_text.txt"
@@ -435,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("lab", help="start JupyterLab on the notebooks/ folder")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab")
     p.set_defaults(run=cmd_lab)
+
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE (a module name or a .py file) first: it registers its schemes; repeatable")
     return parser
 
 
@@ -448,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run `gmlx-lab`; returns the exit code (2: bad input, 1: failure)."""
     args = build_parser().parse_args(argv)
     try:
+        for name in args.plugin:
+            load_plugin(name)
         return args.run(args)
     except BrokenPipeError:  # output piped into `head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -26,15 +26,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import AffineCache, FP16Cache, GmlxCache, KVarNCache
+from .cache import GmlxCache
 from .metrics import kl_from_logprobs, perplexity_from_nll
 from .policy import Policy, PromptCache, policy
-from .records import TILE, region_tokens
-from .registry import SCHEMES, get_scheme
+from .registry import BASELINE, SCHEMES, get_scheme
 
 __all__ = [
     "AuditError", "AuditReport", "FidelityResult", "LayerAudit", "SchemeFidelity", "SWEEPS",
-    "audit", "fidelity", "layer_sensitivity", "parse_scheme_spec", "scheme_label", "sweep_specs",
+    "audit", "fidelity", "layer_sensitivity", "parse_scheme_spec", "scheme_label", "spec_policy", "sweep_specs",
 ]
 
 # -- scheme specs -----------------------------------------------------------------------------------
@@ -49,6 +48,8 @@ SchemeLike = str | tuple[str, dict[str, Any]] | Policy
 def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """Read "fp16", "affine4", "affine_rot4:g=32", "kvarn6:tail=128" or "kvarn:k8v4" into (scheme, options).
 
+    The name is the longest registered scheme name the spec starts with; a number after it is `bits`, "k8v4"
+    sets `k_bits` and `v_bits` (schemes that have them), "key=value" any option (short names in _ALIASES).
     Options are checked against the registry (gmlx_lab.registry.SCHEMES); anything it
     does not accept raises a ValueError saying what is accepted.
     """
@@ -63,6 +64,8 @@ def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict
     if name is None:
         raise ValueError(f"unknown scheme in {text!r}; schemes: {', '.join(SCHEMES)} "
                          "(e.g. fp16, affine4, affine_rot4, kvarn6, kvarn6:tail=128, kvarn:k8v4)")
+    spec = get_scheme(name)
+    names = {opt.name for opt in spec.options}
     options: dict[str, Any] = {}
     parts = [head[len(name):]] + [p for p in tail.split(",") if p.strip()]
     for part in (p.strip() for p in parts):
@@ -71,9 +74,11 @@ def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict
         if part.isdigit():
             options["bits"] = int(part)
         elif _SPLIT.fullmatch(part):
-            if name != "kvarn":
-                raise ValueError(f"{text!r}: only kvarn stores K and V at different widths; "
-                                 f"{name} has one 'bits' for both")
+            if not {"k_bits", "v_bits"} <= names:
+                split = [s.name for s in SCHEMES.values() if {"k_bits", "v_bits"} <= {o.name for o in s.options}]
+                verb = "stores" if len(split) == 1 else "store"
+                raise ValueError(f"{text!r}: only {', '.join(split) or 'no scheme'} {verb} K and V at different "
+                                 f"widths; {name} has one 'bits' for both")
             kb, vb = _SPLIT.fullmatch(part).groups()
             options.update(k_bits=int(kb), v_bits=int(vb))
         elif "=" in part:
@@ -84,9 +89,9 @@ def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict
         else:
             raise ValueError(f"cannot read {part!r} in {text!r}; expected a width (6), K/V widths (k8v4) "
                              "or options such as tail=128, g=64")
-    if name == "fp16" and options:
-        raise ValueError(f"{text!r}: fp16 takes no width or options")
-    get_scheme(name).resolve(**options)  # raises a ValueError naming what is accepted
+    if not names and options:
+        raise ValueError(f"{text!r}: {name} takes no width or options")
+    spec.resolve(**options)  # raises a ValueError naming what is accepted
     return name, options
 
 
@@ -144,46 +149,26 @@ class AuditReport:
 
 def fp16_equivalent(cache: Any, decision: Any) -> int:
     """Bytes an fp16 cache would hold for the tokens `cache` holds (batch x heads x tokens x (Dk+Dv) x 2)."""
-    if isinstance(cache, FP16Cache):
-        return cache.regions()["tokens"]
     if not isinstance(cache, GmlxCache) or decision.kv_heads is None:
         return cache.nbytes
-    first = cache.state[0]
-    first = first[0] if isinstance(first, (list, tuple)) else first
-    batch = 1 if first is None else first.shape[0]
+    shape = cache.kv_shape
+    batch = 1 if shape is None else shape[0]
     return batch * decision.kv_heads * cache.held * (decision.k_head_dim + decision.v_head_dim) * 2
-
-
-def _expected_records(cache: KVarNCache) -> int:
-    sealed = region_tokens(cache.offset, cache.kv_tail_tokens, cache.newest)["body"]
-    return (sealed - cache.dropped) // TILE  # a rolling window dropped the oldest records
 
 
 def _check_layer(cache: Any, d: Any, options: dict[str, Any]) -> str:
     """Why this entry does not match its policy decision ('' when it does)."""
-    if d.decision == "fp16":
-        if isinstance(cache, (AffineCache, KVarNCache)):
-            return f"policy says fp16 but the cache is {type(cache).__name__}"
+    if d.decision == BASELINE:
+        if isinstance(cache, GmlxCache) and cache.scheme != BASELINE:
+            return f"policy says {BASELINE} but the cache is {type(cache).__name__}"
         return ""
-    want = KVarNCache if d.decision == "kvarn" else AffineCache
-    if not isinstance(cache, want) or getattr(cache, "scheme", None) != d.decision:
+    spec = get_scheme(d.decision)
+    if not isinstance(cache, spec.cache_class) or getattr(cache, "scheme", None) != d.decision:
         return f"policy says {d.decision} but the cache is {type(cache).__name__}"
-    regions = cache.regions()
-    if d.decision == "kvarn":
-        widths = (options["k_bits"], options["v_bits"])
-        if (cache.k_bits, cache.v_bits) != widths:
-            return f"widths k{cache.k_bits}v{cache.v_bits}, policy says k{widths[0]}v{widths[1]}"
-        due = _expected_records(cache)
-        if due and (cache.n_records < due or regions["record_codes"] == 0):
-            return f"{due} records should be sealed at {cache.offset} tokens, found {cache.n_records}"
-        quantized_now = due > 0
-    else:
-        if cache.k_bits != options["bits"]:
-            return f"bits {cache.k_bits}, policy says {options['bits']}"
-        quantized_now = cache.offset > 0 and cache.offset >= cache.quantized_kv_start
-        if quantized_now and regions.get("codes", 0) == 0:
-            return f"{cache.offset} tokens past quantized_kv_start but no codes stored"
-    resident = sum(v for k, v in regions.items() if k != "reserve")
+    problem, quantized_now = spec.audit(cache, options)
+    if problem:
+        return problem
+    resident = sum(v for k, v in cache.regions().items() if k != "reserve")
     if quantized_now and resident >= fp16_equivalent(cache, d):
         return f"holds {resident} bytes, not below fp16's {fp16_equivalent(cache, d)}"
     return ""
@@ -192,9 +177,10 @@ def _check_layer(cache: Any, d: Any, options: dict[str, Any]) -> str:
 def audit(prompt_cache: PromptCache, *, strict: bool = True) -> AuditReport:
     """Check every layer stores what the policy reports; raise AuditError naming the layers that do not.
 
-    A quantized layer must be the scheme's cache class, with codes in its regions and fewer
-    resident bytes than fp16 for the same tokens (once it is past its fp16 phase: kvarn's sink
-    and tail, affine's quantized_kv_start). `strict=False` returns the report instead of raising.
+    A quantized layer must be the scheme's cache class, pass the scheme's own checks (`Scheme.audit`:
+    widths, codes stored once due) and hold fewer resident bytes than fp16 for the same tokens (once it
+    is past its fp16 phase: kvarn's sink and tail, affine's quantized_kv_start). `strict=False` returns
+    the report instead of raising.
     """
     chosen = getattr(prompt_cache, "policy", None)
     if chosen is None:
@@ -420,7 +406,7 @@ def _tokens(tokenizer: Any, text_or_tokens: str | Sequence[int] | mx.array) -> m
     return mx.array(text_or_tokens, dtype=mx.int32).reshape(-1)
 
 
-def _candidate(model: nn.Module, item: SchemeLike) -> tuple[str, Policy]:
+def spec_policy(model: nn.Module, item: SchemeLike) -> tuple[str, Policy]:
     """(spec text, policy) for a spec string, a (scheme, options) pair or a ready Policy."""
     if isinstance(item, Policy):
         return item.label, item
@@ -459,14 +445,14 @@ def fidelity(
     if tokens.size < need:
         raise ValueError(f"prefill {prefill} + decode {decode} needs {need} tokens; the text has {tokens.size}")
     tokens = tokens[:need]
-    candidates = [_candidate(model, s) for s in schemes]  # parse every spec before any long run
+    candidates = [spec_policy(model, s) for s in schemes]  # parse every spec before any long run
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=(len(candidates) + 1) * (prefill + decode), desc="fidelity", unit="tok", leave=False)
-    ref_policy = reference or policy(model, "fp16")
-    if ref_policy.scheme != "fp16":
+    ref_policy = reference or policy(model, BASELINE)
+    if ref_policy.scheme != BASELINE:
         raise ValueError(f"the reference must be an fp16 policy, got {ref_policy.label}")
     ref_cache = ref_policy.make_cache()
     ref = _teacher_forced(model, tokens, ref_cache, prefill, decode, prefill_step, None, bar)
@@ -475,7 +461,7 @@ def fidelity(
     for spec, chosen in candidates:
         if bar is not None:
             bar.set_postfix_str(chosen.label)
-        if reuse_reference and chosen.scheme == "fp16" and chosen.max_kv_size == ref_policy.max_kv_size:
+        if reuse_reference and chosen.scheme == BASELINE and chosen.max_kv_size == ref_policy.max_kv_size:
             trace, cache = replace(ref, prefill_kl=[0.0] * prefill, decode_kl=[0.0] * decode,
                                    decode_top1=[True] * decode), ref_cache
             if bar is not None:
@@ -500,8 +486,8 @@ SWEEPS: dict[str, list[str]] = {
     "tails": [f"kvarn{b}:tail={t}" for b in (2, 4, 6) for t in (0, 128, 1024)],
     "split": ["kvarn:k8v4,tail=128", "kvarn:k4v8,tail=128", "kvarn4:tail=128", "kvarn8:tail=128", "affine4",
               "affine8"],
-    "ladder": [f"{s}{b}" + (":tail=128" if s == "kvarn" else "") for b in (2, 3, 4) for s in
-               ("affine", "affine_rot", "kvarn")],
+    "ladder": [f"{s}{b}{options}" for b in (2, 3, 4) for s, options in
+               (("affine", ""), ("affine_rot", ""), ("kvarn", ":tail=128"))],
 }
 
 
@@ -521,10 +507,10 @@ def single_layer_policy(model: nn.Module, spec: str | tuple[str, dict[str, Any]]
     target = base.layers[layer]
     if not target.grows:
         raise ValueError(f"layer {layer} is {target.kind}: it has no growing K/V cache to quantize")
-    if target.decision == "fp16" and target.reason != "last of deep stack":
+    if target.decision == BASELINE and target.reason != "last of deep stack":
         raise ValueError(f"layer {layer} cannot use {scheme}: {target.reason}")
     layers = [replace(d, decision=scheme, reason="sensitivity probe: only this layer quantized")
-              if d.index == layer else replace(d, decision="fp16", reason="sensitivity probe") for d in base.layers]
+              if d.index == layer else replace(d, decision=BASELINE, reason="sensitivity probe") for d in base.layers]
     return Policy(model, base.name, scheme, base.options, layers)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from .cache.attention import grouped_output, grouped_scores
 from .cache.fp16 import FP16Cache
 from .policy import make_cache, model_name
+from .registry import BASELINE
 
 EVAL_TEXT = Path(__file__).resolve().parent / "data" / "eval_text.txt"
 
@@ -102,7 +103,7 @@ class Capture:
 def capture(model: Any, tokens: list[int] | mx.array, attention: bool = False) -> Capture:
     """Run `tokens` through the model with fp16 caches and read back every layer's K/V (and softmax)."""
     ids = mx.array(tokens).reshape(1, -1)
-    cache = make_cache(model, "fp16", quiet=True)
+    cache = make_cache(model, BASELINE, quiet=True)
     for c in cache:
         if type(c) is FP16Cache:
             c.__class__ = _RecordingFP16Cache
@@ -157,7 +158,7 @@ def greedy(model: Any, prompt: list[int], cache: Any, max_tokens: int,
     return out, first - start, rate
 
 
-def generate(model: Any, tokenizer: Any, prompt: str | list[int], scheme: str = "fp16", max_tokens: int = 24,
+def generate(model: Any, tokenizer: Any, prompt: str | list[int], scheme: str = BASELINE, max_tokens: int = 24,
              **options: Any) -> Generation:
     """Greedy decoding of `max_tokens` after `prompt` with the scheme's cache."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

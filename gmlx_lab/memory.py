@@ -17,9 +17,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import FP16Cache, GmlxCache, KVarNCache
-from .fidelity import SchemeLike, _candidate, fp16_equivalent
+from .cache import FP16Cache, GmlxCache
+from .fidelity import SchemeLike, fp16_equivalent, spec_policy
 from .policy import policy
+from .registry import BASELINE, get_scheme
 
 __all__ = ["LayerMemory", "MemoryReport", "SchemeMemory", "memory_report", "prefill_peak"]
 
@@ -129,18 +130,13 @@ def _layer_memory(cache: Any, d: Any) -> LayerMemory:
     if not isinstance(cache, GmlxCache):
         return LayerMemory(d.index, d.decision, tokens, {"native": cache.nbytes}, {"native": tokens},
                            {"native": cache.nbytes}, 0)
-    regions = cache.regions()
-    reserve = regions.pop("reserve", 0)
-    if isinstance(cache, FP16Cache):
-        regions = {"fp16": regions["tokens"]}
-    if isinstance(cache, KVarNCache):
-        counts = cache.region_tokens()
-        regions = {"sink": regions["sink"], "body": regions["record_codes"] + regions["record_scales"],
-                   "live": regions["live"], "tail": regions["tail"]}
-    else:
-        counts = {name: tokens for name in regions}  # affine/fp16 regions each span every token
+    reserve = cache.regions().get("reserve", 0)
+    regions, counts = get_scheme(cache.scheme).memory_regions(cache)
+    spans_all = counts is None  # every region spans every token (codes and their scales)
+    if spans_all:
+        counts = {name: tokens for name in regions}
     fp16 = {name: round(per_token * counts[name]) for name in regions}
-    if not isinstance(cache, KVarNCache) and len(regions) > 1:  # codes + scales share the same tokens
+    if spans_all and len(regions) > 1:  # the fp16 bytes of those tokens, counted once
         fp16 = {name: fp16_total if i == 0 else 0 for i, name in enumerate(regions)}
     return LayerMemory(d.index, d.decision, tokens, regions, counts, fp16, reserve)
 
@@ -157,7 +153,7 @@ def memory_report(model: nn.Module, schemes: Iterable[SchemeLike] = ("fp16", "af
     """
     if context < 1:
         raise ValueError(f"context must be >= 1, got {context}")
-    candidates = [_candidate(model, s) for s in schemes]
+    candidates = [spec_policy(model, s) for s in schemes]
     if tokens is None:
         vocab = model.args.vocab_size if hasattr(model, "args") and hasattr(model.args, "vocab_size") else 256
         ids = mx.random.randint(0, vocab, (context,), key=mx.random.key(0))
@@ -165,7 +161,7 @@ def memory_report(model: nn.Module, schemes: Iterable[SchemeLike] = ("fp16", "af
         ids = mx.array(tokens, dtype=mx.int32).reshape(-1)[:context]
         if ids.size < context:
             raise ValueError(f"context {context} needs {context} tokens, got {ids.size}")
-    ref_policy = policy(model, "fp16")
+    ref_policy = policy(model, BASELINE)
     ref = ref_policy.make_cache()
     for start in range(0, context, chunk):
         mx.eval(model(ids[None, start:start + chunk], cache=ref))
@@ -195,7 +191,7 @@ def prefill_peak(model: nn.Module, scheme: SchemeLike = "kvarn6", context: int =
     Each entry: step, peak (mx.get_peak_memory after a reset), above_start (peak minus memory
     active before the prefill: weights excluded), cache_bytes at the end, seconds.
     """
-    _, chosen = _candidate(model, scheme)
+    _, chosen = spec_policy(model, scheme)
     ids = (mx.random.randint(0, 256, (context,), key=mx.random.key(0)) if tokens is None
            else mx.array(tokens, dtype=mx.int32).reshape(-1)[:context])
     out = []

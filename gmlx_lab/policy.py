@@ -5,9 +5,10 @@ model builds its own mlx-lm cache list and runs one token through it, and each
 entry is then classed as growing attention, latent (MLA) attention, sliding
 window or recurrent state. Rules (gmlx's, see docs/kvarn-spec.md section 4):
 growing attention quantizes; in a stack of more than 2 entries the last entry
-stays fp16; recurrent and sliding-window layers stay fp16; kvarn needs head dims
-128/256/512 and declines latent caches. A model on which kvarn can use no layer
-runs fp16 and the summary says why; nothing falls back to affine.
+stays fp16; recurrent and sliding-window layers stay fp16. Each scheme adds its own
+rule (`Scheme.declines`: kvarn needs head dims 128/256/512 and declines latent caches,
+affine needs head dims that split into its groups). A model on which a scheme can use
+no layer runs fp16 and the summary says why; nothing falls back to another scheme.
 
 One knowing difference from gmlx: gmlx keeps Kimi K2 fp16 under affine as well,
 but Kimi K2's cache has exactly DeepSeek-V3's latent shape, so a shape-only
@@ -26,9 +27,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from . import window
-from .cache import GmlxCache, layer_cache
+from .cache import GmlxCache
 from .kernels import selfcheck
-from .registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
+from .registry import BASELINE, Scheme, get_scheme
 
 
 @dataclass
@@ -37,7 +38,7 @@ class LayerDecision:
 
     index: int
     kind: str  # "attention", "latent-attention", "sliding-window", "recurrent" or "other"
-    decision: str  # "fp16", "affine", "affine_rot" or "kvarn"
+    decision: str  # a registered scheme's name: the policy's scheme, or "fp16"
     reason: str
     cache_class: str
     kv_heads: int | None = None
@@ -69,34 +70,20 @@ def probe_layers(model: nn.Module) -> list[tuple[Any, str, tuple[int, ...] | Non
 
 
 def _decide(index: int, n: int, kind: str, kdim: int | None, vdim: int | None,
-            scheme: str, options: dict[str, Any]) -> tuple[str, str]:
+            scheme: Scheme, options: dict[str, Any]) -> tuple[str, str]:
+    """The shared rules first, then the scheme's own (`Scheme.declines`, `Scheme.reason_taken`)."""
     if kind == "recurrent":
-        return "fp16", "recurrent state"
+        return BASELINE, "recurrent state"
     if kind == "sliding-window":
-        return "fp16", "sliding window"
+        return BASELINE, "sliding window"
     if kind == "other":
-        return "fp16", "not a growing attention cache"
+        return BASELINE, "not a growing attention cache"
     if n > 2 and index == n - 1:
-        return "fp16", "last of deep stack"
-    if scheme == "fp16":
-        return "fp16", "fp16 scheme"
-    if scheme == "kvarn":
-        if kind == "latent-attention":
-            return "fp16", "MLA latent cache: kvarn declines"
-        ext = options.get("head_dim_ext", 0)
-        for d in sorted({kdim, vdim}):
-            if d in KVARN_EXT_HEAD_DIMS and ext:
-                return "kvarn", f"growing attention, head_dim {d} by the head-dim extension (records of 128 tokens x " \
-                                f"{d} channels: outside gmlx's format)"
-            if d not in KVARN_HEAD_DIMS:
-                hint = " (head_dim_ext=1 takes 64/96)" if d in KVARN_EXT_HEAD_DIMS else ""
-                return "fp16", f"head_dim {d}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}{hint}"
-        return "kvarn", "growing attention"
-    g = options["group_size"]
-    for d in sorted({kdim, vdim}):
-        if d % g:
-            return "fp16", f"head_dim {d} is not a multiple of group_size {g}"
-    return scheme, "growing attention"
+        return BASELINE, "last of deep stack"
+    reason = scheme.declines(kind, kdim, vdim, options)
+    if reason is not None:
+        return BASELINE, reason
+    return scheme.name, scheme.reason_taken(kind, kdim, vdim, options)
 
 
 def _group(indices: list[int]) -> str:
@@ -118,13 +105,13 @@ class Policy:
 
     @property
     def quantized(self) -> list[LayerDecision]:
-        return [d for d in self.layers if d.decision != "fp16"]
+        return [d for d in self.layers if d.decision != BASELINE]
 
     def __str__(self) -> str:
         growing = [d for d in self.layers if d.grows]
         reasons: dict[str, list[int]] = {}
         for d in self.layers:
-            if d.decision == "fp16" and (d.grows or self.scheme == "fp16"):
+            if d.decision == BASELINE and (d.grows or self.scheme == BASELINE):
                 reasons.setdefault(d.reason, []).append(d.index)
         others: dict[str, int] = {}
         for d in self.layers:
@@ -132,12 +119,13 @@ class Policy:
                 others[d.kind] = others.get(d.kind, 0) + 1
         extra = "".join(f", {n} {kind} fp16" for kind, n in others.items())
         why = "; ".join(f"{_group(ix)} fp16: {r}" for r, ix in reasons.items() if r != "fp16 scheme")
-        if self.scheme == "fp16":
-            return f"[kv] {self.name}: fp16 -> {len(growing)} attn layers fp16{extra}{self._notes()}"
-        if self.scheme == "kvarn" and not self.quantized:
+        if self.scheme == BASELINE:
+            return f"[kv] {self.name}: {BASELINE} -> {len(growing)} attn layers {BASELINE}{extra}{self._notes()}"
+        if not self.quantized:
             why = why or "no growing attention layer"
             note = self._notes()
-            return f"[kv] {self.name}: {self.label} -> no layer can use kvarn ({why}) -> running fp16{note}"
+            return (f"[kv] {self.name}: {self.label} -> no layer can use {self.scheme} ({why}) -> running "
+                    f"{BASELINE}{note}")
         detail = f" ({why})" if why else ""
         done = f"{len(self.quantized)}/{len(growing)}"
         return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._notes()}"
@@ -149,19 +137,14 @@ class Policy:
         if ext:
             notes.insert(0, f"{_group(ext)} by the head-dim extension: records outside gmlx's format")
         if self.max_kv_size is not None:
-            how = "quantized" if self.quantized else "fp16"
+            how = "quantized" if self.quantized else BASELINE
             notes.insert(0, f"rolling window of {self.max_kv_size} tokens ({how}: 128-token sink kept, oldest groups "
                             "of 128 leave)")
         return "".join(f"; {n}" for n in notes)
 
     def as_dict(self) -> dict[str, Any]:
         """The `kv_quant` report: scheme, widths, options, the summary and every layer's decision."""
-        bits = None
-        if self.scheme == "kvarn":
-            bits = self.options["k_bits"] if self.options["k_bits"] == self.options["v_bits"] else {
-                "k": self.options["k_bits"], "v": self.options["v_bits"]}
-        elif self.scheme != "fp16":
-            bits = self.options["bits"]
+        bits = get_scheme(self.scheme).bits(self.options)
         return {
             "model": self.name,
             "scheme": self.scheme,
@@ -178,19 +161,22 @@ class Policy:
     def windowed(self, max_kv_size: int | None) -> Policy:
         """The same decisions with a rolling window of `max_kv_size` tokens on the growing attention layers."""
         chosen = Policy(self.model, self.name, self.scheme, self.options, self.layers, max_kv_size)
-        if max_kv_size is not None:
-            tail = self.options.get("kv_tail_tokens") if self.quantized and self.scheme == "kvarn" else None
-            window.check(max_kv_size, tail, f"{self.name}: {self.label}")
+        if max_kv_size is not None:  # the quantized layers roll as their scheme says, fp16 ones by the shared rule
+            where = f"{self.name}: {self.label}"
+            if self.quantized:
+                get_scheme(self.scheme).check_window(max_kv_size, self.options, where)
+            else:
+                window.check(max_kv_size, None, where)
         return chosen
 
     def make_cache(self) -> PromptCache:
         """Fresh caches, one per entry: ours where the policy decided, the model's own elsewhere."""
         out = PromptCache(policy=self)
         for d, native in zip(self.layers, make_prompt_cache(self.model)):
-            if d.decision != "fp16":
-                out.append(layer_cache(d.decision, self.options, layer=d.index))
+            if d.decision != BASELINE:
+                out.append(get_scheme(d.decision).make_cache(self.options, layer=d.index))
             elif d.kind == "attention":
-                out.append(layer_cache("fp16", {}, layer=d.index))
+                out.append(get_scheme(BASELINE).make_cache({}, layer=d.index))
             else:
                 out.append(native)
             if self.max_kv_size is not None and d.grows and isinstance(out[-1], GmlxCache):
@@ -254,7 +240,7 @@ def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, 
     for i, (cache, kind, kshape, vshape) in enumerate(probed):
         kdim = kshape[-1] if kshape else None
         vdim = vshape[-1] if vshape else None
-        decision, reason = _decide(i, len(probed), kind, kdim, vdim, scheme, values)
+        decision, reason = _decide(i, len(probed), kind, kdim, vdim, spec, values)
         layers.append(LayerDecision(i, kind, decision, reason, type(cache).__name__,
                                     kshape[1] if kshape else None, kdim, vdim))
     return Policy(model, name or model_name(model), scheme, values, layers).windowed(max_kv_size)

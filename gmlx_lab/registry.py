@@ -1,19 +1,33 @@
-"""The scheme registry: one place that names every cache scheme, its options and defaults.
+"""The scheme registry: every cache scheme as one `Scheme` object, looked up by name.
 
-`make_cache`, the policy, the command line, the widgets and the tests all read
-`SCHEMES`; adding a scheme means adding one `Scheme` here and one cache class.
+A `Scheme` carries everything the rest of gmlx_lab asks about a scheme: its options and defaults, its cache
+factory, its label, its byte formula, its policy rule (which layers it can take), and what the audit, the
+memory report, the quantization helpers and the widgets need. `make_cache`, the policy, the command line,
+the figures, the widgets and the tests read only `SCHEMES`; none of them tests a scheme's name.
+
+The built-in schemes live in `gmlx_lab/schemes/` (one module each) and register themselves when gmlx_lab is
+imported; `register_scheme` adds one at run time (see `gmlx_lab/cache/block.py` for a base that writes most
+of a scheme for you, and notebook 09).
 """
 
 from __future__ import annotations
 
-import os
-import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+BASELINE = "fp16"  # the scheme every policy falls back to, and the reference of fidelity and memory
+
+# The widths and head dims the built-in caches accept: the caches and records.py read them, and they sit below
+# the scheme modules (gmlx_lab/schemes/), so these constants live here.
 KVARN_HEAD_DIMS = (128, 256, 512)  # gmlx's: whole 128-channel record slices
 KVARN_EXT_HEAD_DIMS = (64, 96)  # the head-dim extension (option head_dim_ext=1): records of 128 tokens x the head
 KVARN_BITS_ENV = "GMLX_KVARN_BITS"
+AFFINE_BITS = (2, 3, 4, 6, 8)
+KVARN_BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -46,12 +60,19 @@ class Option:
 
 @dataclass(frozen=True)
 class Scheme:
-    """A named way to store a layer's K/V cache, with its options."""
+    """A named way to store a layer's K/V cache. Subclass it and override what your scheme does differently.
+
+    Every method has a default that fits a scheme whose options are named like the built-in ones (`bits`,
+    `k_bits`/`v_bits`, `kv_tail_tokens`); `make_cache` and `layer_bytes` have none.
+    """
 
     name: str
     summary: str
-    options: tuple[Option, ...] = field(default_factory=tuple)
+    options: tuple[Option, ...] = ()
+    cache_class: type | None = None  # what make_cache returns: the audit checks it, save/load finds it by name
+    color: str = "#7f7f7f"  # in the figures
 
+    # -- options --------------------------------------------------------------------------------
     def option(self, name: str) -> Option:
         for opt in self.options:
             if opt.name == name:
@@ -62,7 +83,7 @@ class Scheme:
         return {opt.name: opt.default for opt in self.options}
 
     def resolve(self, **given: Any) -> dict[str, Any]:
-        """Fill defaults, check every value, and apply scheme-specific rules."""
+        """Fill defaults, apply the scheme's own rules (`adjust`), and check every value."""
         known = {opt.name for opt in self.options}
         unknown = sorted(set(given) - known)
         if unknown:
@@ -72,11 +93,14 @@ class Scheme:
         for key, value in given.items():
             if value is not None:
                 values[key] = value
-        if self.name == "kvarn":
-            values = _resolve_kvarn_widths(values, given)
+        values = self.adjust(values, given)
         for opt in self.options:
             if values[opt.name] is not None:
                 values[opt.name] = opt.check(values[opt.name], self.name)
+        return values
+
+    def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """Rules between options (kvarn: K/V widths from `bits` or the environment); by default none."""
         return values
 
     def check(self, where: str, **values: Any) -> None:
@@ -89,57 +113,121 @@ class Scheme:
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
 
+    # -- what the rest of gmlx_lab asks ---------------------------------------------------------------
+    def make_cache(self, options: dict[str, Any], layer: int | None = None) -> Any:
+        """One layer's cache, from options already resolved."""
+        raise NotImplementedError(f"scheme {self.name} has no cache factory")
+
     def label(self, values: dict[str, Any]) -> str:
-        """Short name such as `fp16`, `affine8 g64` or `kvarn k6v5 tail=1024`."""
-        if self.name == "fp16":
-            return "fp16"
-        if self.name in ("affine", "affine_rot"):
-            return f"{self.name}{values['bits']} g{values['group_size']}"
-        kb, vb = values["k_bits"], values["v_bits"]
-        width = f"{kb}" if kb == vb else f" k{kb}v{vb}"
-        ext = " ext" if values.get("head_dim_ext") else ""  # the head-dim extension (64/96)
-        return f"kvarn{width} tail={values['kv_tail_tokens']}{ext}"
+        """Short name such as `affine8 g64` or `kvarn k6v5 tail=1024`; by default name, width and tail."""
+        label = self.name + _width(values)
+        if "kv_tail_tokens" in values:
+            label += f" tail={values['kv_tail_tokens']}"
+        return label
+
+    def bits(self, values: dict[str, Any]) -> int | dict[str, int] | None:
+        """The code width for reports: an int, {"k": .., "v": ..} when K and V differ, or None."""
+        if values.get("k_bits") is not None and values.get("v_bits") is not None:
+            kb, vb = values["k_bits"], values["v_bits"]
+            return kb if kb == vb else {"k": kb, "v": vb}
+        return values.get("bits")
+
+    def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
+        """The policy rule: why a growing attention layer (`kind`, head dims) stays fp16, or None to take it.
+
+        The shared rules (recurrent state, sliding windows, the last of a deep stack) are the policy's.
+        """
+        return None
+
+    def reason_taken(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str:
+        """The reason recorded for a layer the scheme takes."""
+        return "growing attention"
+
+    def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
+        """Refuse a rolling window (`max_kv_size`) this scheme's layers cannot roll; by default the shared rule
+        (gmlx_lab/window.py: the 128-token sink and whole groups of 128)."""
+        from .window import check  # window.py reads records.py, which reads this module's constants
+
+        check(max_kv_size, None, where)
+
+    def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
+        """Stored bytes of one layer (batch 1) holding `tokens` tokens, growth reserve excluded."""
+        raise NotImplementedError(f"scheme {self.name} has no byte formula")
+
+    def audit(self, cache: Any, options: dict[str, Any]) -> tuple[str, bool]:
+        """(what is wrong with this cache of the scheme, '' if nothing; whether it should hold codes by now)."""
+        return "", False
+
+    def memory_regions(self, cache: Any) -> tuple[dict[str, int], dict[str, int] | None]:
+        """(resident bytes by region, reserve excluded; tokens by region, or None when every region spans
+        every token, e.g. codes and their scales)."""
+        regions = dict(cache.regions())
+        regions.pop("reserve", None)
+        return regions, None
+
+    def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
+        """`x` (tokens, head_dim) stored and read back the way the scheme's cache does (for error plots)."""
+        raise NotImplementedError(f"scheme {self.name} has no roundtrip")
+
+    def widget_options(self, k_bits: int, v_bits: int, tail: int) -> dict[str, Any]:
+        """The live-compare widget's K width, V width and tail as this scheme's options."""
+        names = {opt.name for opt in self.options}
+        out: dict[str, Any] = {}
+        if {"k_bits", "v_bits"} <= names:
+            out.update(k_bits=k_bits, v_bits=v_bits)
+        elif "bits" in names:
+            out["bits"] = k_bits  # one width for both: the K width
+        if "kv_tail_tokens" in names:
+            out["kv_tail_tokens"] = tail
+        return out
 
 
-AFFINE_BITS = (2, 3, 4, 6, 8)
-KVARN_BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
+def _width(values: Mapping[str, Any]) -> str:
+    kb, vb = values.get("k_bits"), values.get("v_bits")
+    if kb is not None and vb is not None:
+        return f"{kb}" if kb == vb else f" k{kb}v{vb}"
+    return f"{values['bits']}" if values.get("bits") is not None else ""
 
-_AFFINE_OPTIONS = (
-    Option("bits", 8, "code width in bits", AFFINE_BITS),
-    Option("group_size", 64, "values per group sharing one fp16 scale and offset", GROUP_SIZES),
-    Option("quantized_kv_start", 0, "keep fp16 until the context reaches this many tokens"),
-)
 
-SCHEMES: dict[str, Scheme] = {
-    s.name: s
-    for s in (
-        Scheme("fp16", "K and V stored as float16 (the baseline)"),
-        Scheme(
-            "affine",
-            "mlx-lm's grouped affine quantization of each token's K/V row (--kv-bits)",
-            _AFFINE_OPTIONS,
-        ),
-        Scheme(
-            "affine_rot",
-            "affine after a per-head Hadamard rotation (llama.cpp's attention rotation)",
-            _AFFINE_OPTIONS,
-        ),
-        Scheme(
-            "kvarn",
-            "Hadamard rotation + variance-normalized 128x128 records, fp16 sink and tail (KVarN)",
-            (
-                Option("bits", 6, "code width for K and V", KVARN_BITS),
-                Option("k_bits", None, "code width for K (default: bits)", KVARN_BITS),
-                Option("v_bits", None, "code width for V (default: bits)", KVARN_BITS),
-                Option("kv_tail_tokens", 1024, "newest tokens kept in fp16"),
-                Option("norm_iters", 16, "variance-normalization rounds per record", minimum=0),
-                Option("head_dim_ext", 0, "1: also head dims 64 and 96, records of 128 tokens by the whole head "
-                       "(outside gmlx's format; gmlx declines such layers)", (0, 1)),
-            ),
-        ),
-    )
-}
+SCHEMES: dict[str, Scheme] = {}
+
+
+def register_scheme(scheme: Scheme, *, replace: bool = False) -> Scheme:
+    """Add a scheme to the registry (and its cache class to mlx-lm's, so `load_prompt_cache` finds it).
+
+    Registering the same definition again (a re-run notebook cell: same class name and module) replaces it;
+    another scheme of a registered name is refused unless `replace=True`.
+    """
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"register_scheme needs a gmlx_lab.registry.Scheme, got {type(scheme).__name__}")
+    old = SCHEMES.get(scheme.name)
+    if old is not None and not replace and not _same_definition(old, scheme):
+        raise ValueError(f"scheme {scheme.name!r} is already registered ({type(old).__name__}); "
+                         "pick another name or pass replace=True")
+    if scheme.cache_class is not None:
+        import mlx_lm.models.cache as mlx_cache
+
+        cls = scheme.cache_class
+        taken = getattr(mlx_cache, cls.__name__, None)
+        if taken is not None and taken is not cls and not _same_class(taken, cls):
+            raise ValueError(f"cache class name {cls.__name__!r} is taken in mlx_lm.models.cache (by "
+                             f"{taken.__module__}.{taken.__qualname__}); load_prompt_cache finds classes by name "
+                             "there: name your cache class differently")
+        setattr(mlx_cache, cls.__name__, cls)
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def _same_class(a: type, b: type) -> bool:
+    return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
+def _same_definition(old: Scheme, new: Scheme) -> bool:
+    if type(old) is not type(new) and not _same_class(type(old), type(new)):
+        return False
+    if old.cache_class is None or new.cache_class is None:
+        return old.cache_class is new.cache_class
+    return _same_class(old.cache_class, new.cache_class)
 
 
 def get_scheme(name: str) -> Scheme:
@@ -147,35 +235,3 @@ def get_scheme(name: str) -> Scheme:
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {name!r}; accepted: {', '.join(SCHEMES)}")
     return SCHEMES[name]
-
-
-def parse_kvarn_bits(text: str) -> tuple[int, int]:
-    """Parse a GMLX_KVARN_BITS value: "6" (both) or "k6v5" (K then V)."""
-    match = re.fullmatch(r"\s*(?:(\d+)|k(\d+)v(\d+))\s*", text or "")
-    if not match:
-        raise ValueError(
-            f"{KVARN_BITS_ENV}={text!r} is malformed; expected a width such as '6' "
-            f"or K and V widths such as 'k6v5' (widths: {', '.join(map(str, KVARN_BITS))})"
-        )
-    if match.group(1):
-        kb = vb = int(match.group(1))
-    else:
-        kb, vb = int(match.group(2)), int(match.group(3))
-    for which, b in (("K", kb), ("V", vb)):
-        if b not in KVARN_BITS:
-            raise ValueError(
-                f"{KVARN_BITS_ENV}={text!r}: {which} width {b} is not supported; "
-                f"accepted: {', '.join(map(str, KVARN_BITS))}"
-            )
-    return kb, vb
-
-
-def _resolve_kvarn_widths(values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """K/V widths: explicit k_bits/v_bits, else bits; GMLX_KVARN_BITS overrides both."""
-    env = os.environ.get(KVARN_BITS_ENV)
-    if env is not None and env.strip() != "":
-        kb, vb = parse_kvarn_bits(env)
-    else:
-        kb = values["k_bits"] if values["k_bits"] is not None else values["bits"]
-        vb = values["v_bits"] if values["v_bits"] is not None else values["bits"]
-    return {**values, "k_bits": kb, "v_bits": vb}

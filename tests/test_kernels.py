@@ -141,9 +141,16 @@ def _kvarn_cache(d: int, hkv: int, kb: int, vb: int, tokens: int, tail: int, see
     return c
 
 
+def _affine_stored(c: AffineCache, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """An affine cache's stored (rotated if it rotates) K/V decoded, as its own update_and_fetch decodes them."""
+    return tuple(mx.dequantize(codes.view(c.offset), scales.view(c.offset).astype(dtype),
+                               biases.view(c.offset).astype(dtype), group_size=c.group_size, bits=c.k_bits)
+                 for codes, scales, biases in c.packed)
+
+
 def _attend(c, q: mx.array, mask) -> mx.array:
     """The cache's attention as mlx-lm's seam calls it: with the K/V that fetching returns."""
-    k, v = c.fetch(q.dtype) if isinstance(c, KVarNCache) else c._stored(c.offset, q.dtype)
+    k, v = c.fetch(q.dtype) if isinstance(c, KVarNCache) else _affine_stored(c, q.dtype)
     if isinstance(c, AffineCache) and c.rotate:
         k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
     return c.attend(q, k, v, q.shape[-1] ** -0.5, mask)
@@ -257,7 +264,7 @@ def test_affine_fused_matches_reference(case: tuple[int, ...]) -> None:
 
 def _affine_dequantized_reference(c: AffineCache, q: mx.array, mask) -> mx.array:
     """Float32 attention over mx.dequantize'd K/V (mlx 0.32.4 CUDA has no float32 quantized_matmul for these)."""
-    k, v = c._stored(c.offset, mx.float32)
+    k, v = _affine_stored(c, mx.float32)
     qr = mx.hadamard_transform(q) if c.rotate else q
     out, _ = grouped_attention(qr.astype(mx.float32), k, v, q.shape[-1] ** -0.5, mask)
     return mx.hadamard_transform(out) if c.rotate else out

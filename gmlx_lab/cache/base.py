@@ -66,6 +66,11 @@ class GmlxCache(_BaseCache):
         """A prefix for error messages naming the layer."""
         return f"layer {self.layer}" if self.layer is not None else "cache"
 
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int] | None:
+        """(batch, kv heads, key head_dim, value head_dim) of the K/V held; None before the first update."""
+        return self._shape
+
     # -- what arrives -----------------------------------------------------------------------------
     def arrive(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Check one update's K/V (B, heads, tokens, dim) and start its finiteness check.

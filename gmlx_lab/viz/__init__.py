@@ -9,8 +9,8 @@ figure with plotly.js embedded (never the CDN). A renderer you chose is kept.
 import plotly.io as _pio
 
 from ..records import record_bytes
+from .code import Source, source
 from .figures import (
-    DECISION_COLORS,
     REGION_COLORS,
     Table,
     affine_row_figure,
@@ -30,6 +30,7 @@ from .figures import (
     regions_bar,
     regions_stream,
     scheme_color,
+    scheme_colors,
     sink_mass_figure,
     table_html,
     weights_kv_figure,
@@ -48,13 +49,13 @@ from .sources import (
 )
 
 __all__ = [
-    "DECISION_COLORS", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "REAL_DENSE_CONFIGS", "REGION_COLORS", "AffineRow",
-    "LayerShape", "Table", "affine_row", "affine_row_figure", "bars_figure", "benchmark_results", "bytes_label",
+    "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "REAL_DENSE_CONFIGS", "REGION_COLORS", "AffineRow", "LayerShape",
+    "Source", "Table", "affine_row", "affine_row_figure", "bars_figure", "benchmark_results", "bytes_label",
     "channel_figure", "code_histogram", "dense_bytes_per_token", "draft_figure", "error_figure", "experiment_data",
     "family_curves", "growth_figure", "hadamard", "imbalance_figure", "kl_strip", "layer_bytes", "layer_shapes",
     "normalize_history", "passkey_heatmaps", "policy_bytes", "policy_strip", "quant_error", "record_bytes",
-    "record_figure", "record_of", "regions_bar", "regions_stream", "scheme_color", "sink_mass_figure", "table_html",
-    "weights_kv_figure", "weights_kv_positions", "window_stream",
+    "record_figure", "record_of", "regions_bar", "regions_stream", "scheme_color", "scheme_colors",
+    "sink_mass_figure", "source", "table_html", "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
 
 

@@ -7,7 +7,6 @@ JupyterLab (the default `plotly_mimetype` renderer) and in HTML exports.
 from __future__ import annotations
 
 import html
-import re
 from typing import Any
 
 import numpy as np
@@ -17,9 +16,9 @@ from plotly.subplots import make_subplots
 from .. import records, window
 from ..policy import Policy
 from ..records import region_tokens
+from ..registry import SCHEMES
 from .quant import AffineRow, hadamard
 
-DECISION_COLORS = {"fp16": "#9e9e9e", "affine": "#1f77b4", "affine_rot": "#17becf", "kvarn": "#ff7f0e"}
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
 _LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
 
@@ -28,6 +27,18 @@ def _fig(**layout: Any) -> go.Figure:
     fig = go.Figure()
     fig.update_layout(**{**_LAYOUT, **layout})
     return fig
+
+
+def scheme_colors() -> dict[str, str]:
+    """Each registered scheme's colour (its registry entry's `color`), in registration order."""
+    return {name: scheme.color for name, scheme in SCHEMES.items()}
+
+
+def scheme_color(label: str) -> str:
+    """The colour of the scheme a label starts with ("affine K", "kvarn4 tail=0"); grey for anything else."""
+    colors = scheme_colors()
+    name = next((n for n in sorted(colors, key=len, reverse=True) if str(label).startswith(n)), None)
+    return colors.get(name, "#444444")
 
 
 def bytes_label(n: float) -> str:
@@ -73,7 +84,7 @@ def error_figure(rows: list[dict[str, Any]], title: str = "reconstruction error 
     for method in dict.fromkeys(r["method"] for r in rows):
         pts = sorted((r["bits"], r["error"]) for r in rows if r["method"] == method)
         fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=method,
-                        line={"color": DECISION_COLORS.get(method.split()[0])})
+                        line={"color": scheme_color(method)})
     return fig
 
 
@@ -183,7 +194,8 @@ def sink_mass_figure(mass: np.ndarray, sink: int = 128) -> go.Figure:
 
 def policy_strip(policies: list[Policy]) -> go.Figure:
     """One row per model, one cell per cache entry, coloured by decision; hover shows the reason."""
-    order = list(DECISION_COLORS)
+    colors = scheme_colors()
+    order = list(colors)
     n = max(len(p.layers) for p in policies)
     z, text, names = [], [], []
     for p in policies:
@@ -193,7 +205,7 @@ def policy_strip(policies: list[Policy]) -> go.Figure:
         names.append(f"{p.name} ({len(p.quantized)}/{sum(d.grows for d in p.layers)})")
     scale = []
     for i, name in enumerate(order):
-        scale += [[i / len(order), DECISION_COLORS[name]], [(i + 1) / len(order), DECISION_COLORS[name]]]
+        scale += [[i / len(order), colors[name]], [(i + 1) / len(order), colors[name]]]
     fig = _fig(title=f"per-layer decisions under {policies[0].label}", xaxis_title="cache entry (layer)",
                height=120 + 36 * len(policies))
     fig.add_heatmap(z=z, text=text, hoverinfo="text", y=names, colorscale=scale, zmin=-0.5,
@@ -219,7 +231,7 @@ def bars_figure(rows: list[dict[str, Any]], x: str, y: str, color: str, title: s
     for key in dict.fromkeys(r[color] for r in rows):
         pts = [r for r in rows if r[color] == key]
         fig.add_bar(x=[str(r[x]) for r in pts], y=[r[y] for r in pts], name=str(key),
-                    marker_color=DECISION_COLORS.get(str(key).split()[0]))
+                    marker_color=scheme_color(key))
     return fig
 
 
@@ -259,12 +271,6 @@ KL_SCALE = "Oranges"
 def experiment_data(result: Any) -> dict[str, Any]:
     """A result of gmlx_lab.experiments as its dict (a dict, e.g. read from benchmarks/results, passes as is)."""
     return result.to_dict() if hasattr(result, "to_dict") else result
-
-
-def scheme_color(label: str) -> str:
-    """The colour of a scheme label such as 'kvarn4 tail=0' or 'affine_rot2 g64'."""
-    family = re.match(r"[a-z]+(?:_rot)?", label)
-    return DECISION_COLORS.get(family.group() if family else "", "#444444")
 
 
 def passkey_heatmaps(result: Any, title: str | None = None) -> go.Figure:

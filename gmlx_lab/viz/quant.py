@@ -1,8 +1,9 @@
 """Quantize real K/V rows and blocks the way each scheme does, and measure the error.
 
 These helpers call the same MLX ops and record functions as the caches
-(`mx.quantize`, `mx.hadamard_transform`, `records.encode_record`), on numpy
-input, so a notebook can look at one row or one record in isolation.
+(`mx.quantize`, `mx.hadamard_transform`, `records.encode_record`; `quant_error` asks
+the scheme's registry entry), on numpy input, so a notebook can look at one row or
+one record in isolation.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import records
+from ..registry import get_scheme
 
 __all__ = ["AffineRow", "affine_row", "hadamard", "quant_error", "normalize_history", "record_of"]
 
@@ -53,46 +55,23 @@ def affine_row(row: np.ndarray, bits: int = 4, group_size: int = 64) -> AffineRo
     return AffineRow(np.asarray(row, np.float32), codes, scales, offsets, recon_np, bits, group_size)
 
 
-def _affine(x: np.ndarray, bits: int, group_size: int) -> np.ndarray:
-    a = mx.array(x, dtype=mx.float32).astype(mx.float16)
-    w, s, b = mx.quantize(a, group_size=group_size, bits=bits)
-    return np.array(mx.dequantize(w, s, b, group_size=group_size, bits=bits).astype(mx.float32))
-
-
 def record_of(block: np.ndarray, bits: int, kind: str, iters: int = 16) -> records.Records:
     """Encode a (128 tokens, 128 channels) block, rotating it first as the kvarn cache does."""
     return records.encode_record(mx.array(hadamard(block)), bits, kind, iters)
 
 
-def _kvarn(x: np.ndarray, bits: int, kind: str) -> np.ndarray:
-    """Quantize (tokens, D) through kvarn records (tokens a multiple of 128), back in the original space."""
-    t, d = x.shape
-    rot = hadamard(x)
-    out = np.empty_like(rot)
-    for i in range(0, t, records.TILE):
-        for j in range(0, d, records.TILE):
-            rec = records.encode_record(mx.array(rot[i:i + 128, j:j + 128]), bits, kind)
-            out[i:i + 128, j:j + 128] = np.array(records.decode_record(rec))
-    return hadamard(out)
-
-
 def quant_error(x: np.ndarray, method: str, bits: int, group_size: int = 64, kind: str = "k") -> float:
-    """Relative error ||x - x_hat|| / ||x|| of quantizing (tokens, head_dim) with `method`.
+    """Relative error ||x - x_hat|| / ||x|| of storing (tokens, head_dim) the way scheme `method` does.
 
-    method: "affine", "affine_rot" (Hadamard, affine, Hadamard back) or "kvarn"
-    (rotation + records; tokens must be a multiple of 128, head_dim of 128).
+    method: a registered scheme, e.g. "affine", "affine_rot" (Hadamard, affine, Hadamard back) or "kvarn"
+    (rotation + records; tokens must be a multiple of 128, head_dim of 128); `bits` and `group_size` go to
+    the schemes that have those options. The scheme's `roundtrip` does the storing.
     """
+    scheme = get_scheme(method)
+    names = {opt.name for opt in scheme.options}
+    given = {k: v for k, v in (("bits", bits), ("group_size", group_size)) if k in names}
     x = np.asarray(x, np.float32)
-    if method == "affine":
-        xh = _affine(x, bits, group_size)
-    elif method == "affine_rot":
-        xh = hadamard(_affine(hadamard(x), bits, group_size))
-    elif method == "kvarn":
-        if x.shape[0] % 128 or x.shape[1] % 128:
-            raise ValueError(f"kvarn error needs tokens and head_dim multiples of 128, got {x.shape}")
-        xh = _kvarn(x, bits, kind)
-    else:
-        raise ValueError(f"unknown method {method!r}; accepted: affine, affine_rot, kvarn")
+    xh = scheme.roundtrip(x, kind, scheme.resolve(**given))
     return float(np.linalg.norm(x - xh) / max(np.linalg.norm(x), 1e-12))
 
 

@@ -1,11 +1,11 @@
 """Cache sizes from a policy: bytes per layer at a given context, for every scheme, without running the model.
 
-The formulas (per KV head, per token, head dims dk and dv):
+Each scheme's formula is its registry entry's `layer_bytes` (per KV head, per token, head dims dk and dv):
   fp16    2 * (dk + dv) bytes
   affine  (dk + dv) * (bits / 8 + 4 / group_size) bytes (codes + an fp16 scale and offset per group)
   kvarn   sealed tokens: (dk + dv) / 128 records of (2048 * bits + 768) bytes per 128 tokens;
           sink, live and tail tokens: as fp16
-Sliding windows stop growing at the window; recurrent state has a fixed size.
+Sliding windows stop growing at the window; recurrent state has a fixed size (the rules here, for every scheme).
 These are the sizes of the stored data; the caches' `.nbytes` also counts
 fp16 growth reserve (mlx-lm allocates in steps of 256 tokens).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..policy import Policy, probe_layers
-from ..records import TILE, record_bytes, region_tokens, slice_width
+from ..registry import get_scheme
 
 
 @dataclass(frozen=True)
@@ -47,20 +47,7 @@ def layer_bytes(shape: LayerShape, decision: str, context: int, options: dict[st
     if shape.kind in ("recurrent", "other"):
         return float(shape.fixed_bytes)
     tokens = min(context, shape.window) if shape.window else context
-    per_value_fp16 = 2.0
-    width = shape.k_dim + shape.v_dim
-    if decision == "fp16":
-        return shape.kv_heads * tokens * width * per_value_fp16
-    if decision in ("affine", "affine_rot"):
-        return shape.kv_heads * tokens * width * (options["bits"] / 8 + 4 / options["group_size"])
-    if decision == "kvarn":
-        regions = region_tokens(tokens, options["kv_tail_tokens"])
-        n_rec = regions["body"] // TILE
-        body = n_rec * sum(d // slice_width(d) * record_bytes(options[f"{kind}_bits"], slice_width(d), kind)
-                           for kind, d in (("k", shape.k_dim), ("v", shape.v_dim)))
-        fp16_tokens = tokens - regions["body"]
-        return shape.kv_heads * (body + fp16_tokens * width * per_value_fp16)
-    raise ValueError(f"unknown decision {decision!r}")
+    return float(get_scheme(decision).layer_bytes(tokens, shape.kv_heads, shape.k_dim, shape.v_dim, options))
 
 
 def policy_bytes(policy: Policy, context: int, shapes: list[LayerShape] | None = None) -> float:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..models import FAMILIES, specimen
 from ..policy import policy
+from ..registry import BASELINE
 from .sizes import layer_shapes, policy_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,7 @@ def dense_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_v
     return layers * 2 * kv_heads * head_dim * bytes_per_value
 
 
-def family_curves(contexts: list[int], scheme: str = "fp16", **options: Any) -> dict[str, dict[str, Any]]:
+def family_curves(contexts: list[int], scheme: str = BASELINE, **options: Any) -> dict[str, dict[str, Any]]:
     """For each specimen family: the policy under `scheme` and its cache bytes at each context."""
     out = {}
     for name in FAMILIES:

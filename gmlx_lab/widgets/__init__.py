@@ -12,6 +12,7 @@ draws them through anywidget, offline).
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from typing import Any
 
 import ipywidgets as W
@@ -22,6 +23,7 @@ from IPython.display import display
 from .. import kv_inspect
 from ..fidelity import fidelity
 from ..models import BUNDLED_NAME, available_models, load
+from ..registry import BASELINE, SCHEMES, get_scheme
 from ..viz import figures
 from .experiments import DraftApp, PasskeyApp, SchemePicker, WeightsApp, draft_app, passkey_app, weights_app
 
@@ -136,7 +138,8 @@ def _tokens_html(pieces: list[str], diverge: int | None, color: str) -> str:
 
 
 class CompareApp:
-    """Live comparison of one scheme against fp16 on the same prompt.
+    """Live comparison of one scheme against fp16 on the same prompt (the toggles: every registered scheme,
+    or `schemes`; the controls map to each scheme's options through `Scheme.widget_options`).
 
     The prompt follows `context_tokens` tokens of the bundled evaluation text, so
     the cache is long enough for kvarn to seal records (its first 128 tokens are
@@ -146,16 +149,17 @@ class CompareApp:
     """
 
     def __init__(self, model: Any, tokenizer: Any, prompt: str = "Once upon a time", context_tokens: int = 320,
-                 max_tokens: int = 20, scheme: str = "kvarn"):
+                 max_tokens: int = 20, scheme: str = "kvarn", schemes: Sequence[str] | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.context = kv_inspect.eval_tokens(tokenizer, context_tokens) if context_tokens else []
         self.max_tokens = max_tokens
         self.prompt = W.Textarea(value=prompt, description="prompt", layout={"width": "60%"})
-        self.scheme = W.ToggleButtons(options=["fp16", "affine", "affine_rot", "kvarn"], value=scheme,
-                                      description="scheme")
+        choices = list(SCHEMES) if schemes is None else [get_scheme(s).name for s in schemes]
+        self.scheme = W.ToggleButtons(options=choices, value=get_scheme(scheme).name, description="scheme")
         self.k_bits = W.Dropdown(options=[2, 3, 4, 6, 8], value=4, description="K bits", layout={"width": "160px"})
         self.v_bits = W.Dropdown(options=[2, 3, 4, 6, 8], value=4, description="V bits", layout={"width": "160px"})
-        self.tail = W.ToggleButtons(options=[0, 128, 1024], value=0, description="kvarn tail")
+        self.tail = W.ToggleButtons(options=[0, 128, 1024], value=0, description="fp16 tail",
+                                    tooltips=["newest tokens kept fp16 (schemes with kv_tail_tokens)"] * 3)
         self.run = W.Button(description="Generate", button_style="primary")
         self.texts = W.HTML()
         self.stats = W.HTML()
@@ -167,13 +171,8 @@ class CompareApp:
         self.update()
 
     def options(self) -> dict[str, Any]:
-        """The chosen scheme's options (affine uses the K width for both K and V)."""
-        s = self.scheme.value
-        if s == "fp16":
-            return {}
-        if s in ("affine", "affine_rot"):
-            return {"bits": self.k_bits.value}
-        return {"k_bits": self.k_bits.value, "v_bits": self.v_bits.value, "kv_tail_tokens": self.tail.value}
+        """The chosen scheme's options from the controls (`Scheme.widget_options`: one width uses the K width)."""
+        return get_scheme(self.scheme.value).widget_options(self.k_bits.value, self.v_bits.value, self.tail.value)
 
     def _cached(self, key: Any, fn: Any) -> Any:
         if key not in self._memo:
@@ -183,13 +182,19 @@ class CompareApp:
     def update(self) -> None:
         """Generate under fp16 and the chosen scheme, then redraw texts, KL strip and stats."""
         ids = self.context + list(self.tokenizer.encode(self.prompt.value, add_special_tokens=False))
-        opts = self.options()
+        try:
+            opts = self.options()
+            get_scheme(self.scheme.value).resolve(**opts)
+        except ValueError as exc:  # a width this scheme does not take: say so in the app
+            self.texts.value = f"<span style='color:#c00'>{html.escape(str(exc))}</span>"
+            return
         key = (tuple(ids), self.scheme.value, tuple(sorted(opts.items())))
-        ref = self._cached((tuple(ids), "fp16"), lambda: kv_inspect.generate(
-            self.model, self.tokenizer, ids, "fp16", self.max_tokens))
-        gen = ref if self.scheme.value == "fp16" else self._cached(key, lambda: kv_inspect.generate(
+        baseline = self.scheme.value == BASELINE
+        ref = self._cached((tuple(ids), BASELINE), lambda: kv_inspect.generate(
+            self.model, self.tokenizer, ids, BASELINE, self.max_tokens))
+        gen = ref if baseline else self._cached(key, lambda: kv_inspect.generate(
             self.model, self.tokenizer, ids, self.scheme.value, self.max_tokens, **opts))
-        kl = np.zeros(len(ref.tokens)) if self.scheme.value == "fp16" else self._cached(
+        kl = np.zeros(len(ref.tokens)) if baseline else self._cached(
             ("kl", key), lambda: self._decode_kl(ids, ref.tokens, opts))
         div = kv_inspect.first_divergence(ref.tokens, gen.tokens)
         where = "identical" if div is None else f"first divergence at generated token {div}"
@@ -204,7 +209,7 @@ class CompareApp:
             self.kl_fig.data[0].customdata = ref.pieces
             self.kl_fig.layout.title.text = (f"KL per token: {gen.label} vs fp16 (mean {float(np.mean(kl)):.2e} nats)")
         cell = "<td style='padding:0 12px'>{}</td>"
-        rows = [("", "fp16", gen.label),
+        rows = [("", BASELINE, gen.label),
                 ("cache", figures.bytes_label(ref.cache_bytes), figures.bytes_label(gen.cache_bytes)),
                 ("tokens/s", f"{ref.tokens_per_s:.1f}", f"{gen.tokens_per_s:.1f}")]
         self.stats.value = "<table>" + "".join(

@@ -1,0 +1,381 @@
+"""A base for block schemes: write how one group of tokens is stored and read back, get a whole cache.
+
+A subclass writes two methods (and, if it wants one, a rotation):
+
+    class MyCache(BlockCache):
+        scheme = "mine"          # its name in the registry
+        block_tokens = 32        # tokens per block
+
+        def encode(self, x, kind):        # x: (B, H, 32, D) float32, kind "k" or "v" -> a tuple of arrays
+            ...
+        def decode(self, parts, kind):    # that tuple -> (B, H, 32, D)
+            ...
+
+    gmlx_lab.register_scheme(BlockScheme("mine", "what it does", options, cache_class=MyCache))
+
+and the base supplies the rest: mlx-lm's cache contract (`update_and_fetch`, `offset`, `state` that
+`save_prompt_cache`/`load_prompt_cache` round-trip, `trim`, `make_mask`), `nbytes` and `regions()`, an fp16
+sink and tail if asked, the checks of `GmlxCache` (shapes, finiteness, deepcopy) and a reference attention
+(softmax over the fetched K/V). `BlockScheme` derives the registry's byte formula, policy rule and audit from
+the class. The scheme's options (e.g. `bits`) become attributes of the cache (`self.bits`). `load_prompt_cache`
+finds the class by name once the scheme is registered (in another process: import the plug-in first).
+
+A layer's tokens live in three stores, oldest first (`block_regions` is the geometry):
+  sink    the first `sink_tokens` tokens, fp16 (none unless the scheme asks);
+  body    encoded blocks of `block_tokens` tokens, K and V apart, in rotated space if the scheme rotates;
+  recent  fp16 tokens after the body: the live (incomplete) block and the newest `kv_tail_tokens` (the tail).
+A block is encoded once it is complete, has left the tail and a later update has arrived: an update attends
+to its own tokens exactly, and its tokens can always be trimmed (speculative decoding). `encode_on_arrival =
+True` encodes complete blocks at once instead, the latest update's too (mlx-lm's affine cache does that).
+
+`encode` sees float32 blocks of the stored fp16 values (rotated first if the scheme rotates). It must treat
+the first two axes as batch: the base hands it several blocks at once as extra heads, and the shapes of what
+it returns must depend only on the block's shape (the byte formula encodes a block of zeros to count them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..records import KV
+from ..registry import Scheme
+from .base import GmlxCache, array_bytes
+from .fp16 import STORE_DTYPE, GrowingBuffer
+
+__all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
+
+GEOMETRY = ("block_tokens", "sink_tokens", "kv_tail_tokens")  # options a scheme may set, or class attributes
+STATE = ("offset", "layer", "options", "sink", "body", "recent", "sink_count", "recent_count", "newest", "max_kv_size",
+         "dropped")
+
+
+def clashes(name: str) -> bool:
+    """True for an option name that would overwrite the cache's own attributes (options become attributes)."""
+    return name not in GEOMETRY and (name.startswith("_") or name in STATE or hasattr(BlockCache, name))
+
+
+def block_regions(context: int, block_tokens: int, sink_tokens: int = 0, kv_tail_tokens: int = 0,
+                  newest: int = 0) -> dict[str, int]:
+    """Tokens in each region of a block cache after `context` tokens, the last `newest` of them in one update
+    (not yet encoded unless the class encodes on arrival: then pass 0)."""
+    sink = min(context, sink_tokens)
+    recent = context - sink
+    body = max(0, min(recent - newest, recent - kv_tail_tokens)) // block_tokens * block_tokens
+    recent -= body
+    tail = min(recent, kv_tail_tokens)
+    return {"sink": sink, "body": body, "live": recent - tail, "tail": tail}
+
+
+class BlockCache(GmlxCache):
+    """A cache that stores K/V as encoded blocks of `block_tokens` tokens, with an fp16 sink and tail if asked."""
+
+    scheme = "block"  # the registered name: set it in the subclass
+    block_tokens = 32
+    sink_tokens = 0
+    kv_tail_tokens = 0
+    encode_on_arrival = False
+
+    # -- what a scheme writes ------------------------------------------------------------------------
+    def encode(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
+        """Store one block x (B, H, block_tokens, D), float32, of K (kind "k") or V ("v") as a tuple of arrays."""
+        raise NotImplementedError(f"{type(self).__name__} must define encode(x, kind)")
+
+    def decode(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
+        """What `encode` returned, read back as a (B, H, block_tokens, D) array."""
+        raise NotImplementedError(f"{type(self).__name__} must define decode(parts, kind)")
+
+    def rotate(self, x: mx.array) -> mx.array:
+        """Applied to tokens (..., D) before encoding; none by default (e.g. `mx.hadamard_transform`)."""
+        return x
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        """The inverse of `rotate`, applied to decoded tokens."""
+        return x
+
+    # -- construction -----------------------------------------------------------------------------------
+    def __init__(self, layer: int | None = None, **options: Any):
+        super().__init__(layer)
+        for name, value in options.items():
+            if clashes(name):
+                raise ValueError(f"{type(self).__name__}: option name {name!r} clashes with a BlockCache attribute")
+            setattr(self, name, value)
+        for name in GEOMETRY:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "block_tokens" else 0):
+                raise ValueError(f"{self.where()}: {name}={value!r}; accepted: an int >= "
+                                 f"{1 if name == 'block_tokens' else 0}")
+        self.options = dict(options)
+        self.sink: KV | None = None  # K, V (B, H, <= sink_tokens, D) fp16
+        self.body: KV | None = None  # K, V tuples of arrays (B, H, blocks, ...)
+        self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
+        self.sink_count = 0
+        self.recent_count = 0
+        self.newest = 0  # tokens of the latest update: not encoded before the next one arrives
+
+    # -- geometry -------------------------------------------------------------------------------------------
+    @property
+    def n_blocks(self) -> int:
+        """Encoded blocks per head."""
+        return 0 if self.body is None else self.body.k[0].shape[2]
+
+    def region_tokens(self) -> dict[str, int]:
+        """How many tokens each region holds now."""
+        tail = min(self.recent_count, self.kv_tail_tokens)
+        return {"sink": self.sink_count, "body": self.n_blocks * self.block_tokens,
+                "live": self.recent_count - tail, "tail": tail}
+
+    def block_bytes(self, k_dim: int, v_dim: int) -> int:
+        """Bytes of one encoded block of one head, K and V (from encoding a block of zeros)."""
+        return sum(p.nbytes for kind, d in (("k", k_dim), ("v", v_dim)) for p in self._trial(kind, d))
+
+    def check_head_dims(self, k_dim: int, v_dim: int) -> None:
+        """Raise a ValueError naming the layer if this scheme cannot encode and decode blocks of these head dims."""
+        for kind, d in (("k", k_dim), ("v", v_dim)):
+            try:
+                parts = self._trial(kind, d)
+                back = self.unrotate(self._decode_blocks(parts, kind))
+                mx.eval(back)
+            except Exception as exc:  # whatever the scheme's code raises: say which block it could not take
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ValueError(f"{self.where()}: {type(self).__name__} cannot encode {kind.upper()} blocks of "
+                                 f"head_dim {d} ({first})") from exc
+            want = (1, 1, self.block_tokens, d)
+            if tuple(back.shape) != want:
+                raise ValueError(f"{self.where()}: {type(self).__name__}.decode returned shape {tuple(back.shape)} "
+                                 f"for a block of shape {want}")
+
+    def _trial(self, kind: str, dim: int) -> tuple[mx.array, ...]:
+        return self._encode_blocks(self.rotate(mx.zeros((1, 1, self.block_tokens, dim))), kind)
+
+    # -- storing -----------------------------------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._shape is None and getattr(keys, "ndim", 0) == 4 and getattr(values, "ndim", 0) == 4:
+            self.check_head_dims(keys.shape[-1], values.shape[-1])
+        keys, values = self.arrive(keys, values)
+        dtype, n = keys.dtype, keys.shape[2]
+        room = self.sink_tokens - self.sink_count
+        if room > 0:  # the first sink_tokens tokens fill the sink
+            head = KV(keys[:, :, :room].astype(STORE_DTYPE), values[:, :, :room].astype(STORE_DTYPE))
+            self.sink = head if self.sink is None else KV(*(mx.concatenate([a, b], axis=2)
+                                                            for a, b in zip(self.sink, head)))
+            self.sink_count += head.k.shape[2]
+            keys, values = keys[:, :, room:], values[:, :, room:]
+        if keys.shape[2]:
+            self.recent.k.write(self.recent_count, keys)
+            self.recent.v.write(self.recent_count, values)
+            self.recent_count += keys.shape[2]
+        self.offset += n
+        self.newest = 0 if self.encode_on_arrival else n
+        self._encode(self.due_blocks())
+        return self._return(*self.fetch(dtype))
+
+    def due_blocks(self) -> int:
+        """Complete blocks of recent tokens that have left the tail and are older than the latest update."""
+        r = self.recent_count
+        return max(0, min(r - self.newest, r - self.kv_tail_tokens)) // self.block_tokens
+
+    def seal(self) -> int:
+        """Encode every complete block that has left the tail now, the latest update's too; returns how many.
+
+        Updates encode on their own; this is for reports of resident bytes (the tokens it encodes can no
+        longer be trimmed).
+        """
+        n = max(0, self.recent_count - self.kv_tail_tokens) // self.block_tokens
+        self._encode(n)
+        self.newest = 0
+        return n
+
+    def settle(self) -> None:
+        """Encode what is due now, as the next update would (see GmlxCache.settle)."""
+        self.seal()
+        super().settle()
+
+    def window_check(self, max_kv_size: int | None) -> None:
+        """Block schemes have no rolling window yet (its groups of 128 would have to line up with the blocks)."""
+        if max_kv_size is not None:
+            raise ValueError(f"{self.where()}: {type(self).__name__} has no rolling window (max_kv_size); "
+                             "accepted: None")
+
+    def _encode(self, blocks: int) -> None:
+        """Encode the oldest `blocks` blocks of recent tokens into the body (K and V both)."""
+        if blocks <= 0:
+            return
+        tokens = blocks * self.block_tokens
+        new = KV(*(self._encode_blocks(self.rotate(buf.data[:, :, :tokens].astype(mx.float32)), kind)
+                   for buf, kind in zip(self.recent, "kv")))
+        if self.body is None:
+            self.body = new
+        else:
+            self.body = KV(*(tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old, parts))
+                             for old, parts in zip(self.body, new)))
+        for buf in self.recent:
+            buf.remove(0, tokens, self.recent_count)
+        self.recent_count -= tokens
+
+    def _encode_blocks(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
+        """Tokens (B, H, m * block, D) as m blocks: `encode` sees (B, H * m, block, D); parts return (B, H, m, ...)."""
+        b, h, t, d = x.shape
+        m = t // self.block_tokens
+        parts = self.encode(x.reshape(b, h * m, self.block_tokens, d), kind)
+        if isinstance(parts, mx.array) or not all(isinstance(p, mx.array) for p in parts):
+            raise TypeError(f"{type(self).__name__}.encode must return a tuple of mx.array")
+        return tuple(p.reshape(b, h, m, *p.shape[2:]) for p in parts)
+
+    def _decode_blocks(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
+        """Parts (B, H, m, ...) back to rotated tokens (B, H, m * block, D)."""
+        b, h, m = parts[0].shape[:3]
+        x = self.decode(tuple(p.reshape(b, h * m, *p.shape[3:]) for p in parts), kind)
+        return x.reshape(b, h, m * self.block_tokens, x.shape[-1])
+
+    # -- reading -------------------------------------------------------------------------------------------------
+    def fetch(self, dtype: mx.Dtype = mx.float32) -> KV:
+        """All tokens' K and V in the model's space: sink, decoded body, recent tokens."""
+        pieces = []
+        if self.sink is not None:
+            pieces.append(self.sink)
+        if self.body is not None:
+            pieces.append(KV(*(self.unrotate(self._decode_blocks(parts, kind))
+                               for parts, kind in zip(self.body, "kv"))))
+        if self.recent_count:
+            pieces.append(KV(self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count)))
+        k, v = ([p[i] if p[i].dtype == dtype else p[i].astype(dtype) for p in pieces] for i in (0, 1))
+        return KV(*(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2) for xs in (k, v)))
+
+    def roundtrip(self, x: mx.array, kind: str) -> mx.array:
+        """Tokens (B, H, T, D), T a multiple of block_tokens, stored as this cache stores them and read back."""
+        if x.shape[2] % self.block_tokens:
+            raise ValueError(f"{type(self).__name__}: roundtrip needs a multiple of {self.block_tokens} tokens, "
+                             f"got {x.shape[2]}")
+        stored = self.rotate(x.astype(STORE_DTYPE).astype(mx.float32))
+        return self.unrotate(self._decode_blocks(self._encode_blocks(stored, kind), kind))
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        """The reference attention: softmax over the fetched K/V (a scheme may attend from its codes instead)."""
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    # -- contract ---------------------------------------------------------------------------------------------------
+    def trim(self, n: int) -> int:
+        """Roll back the newest n tokens: the recent fp16 tokens, and the sink before any block; blocks cannot be
+        restored exactly, so a trim into them is refused."""
+        fp16_tokens = self.recent_count + (0 if self.body is not None else self.sink_count)
+        n = self.check_trim(n, fp16_tokens, "tokens already encoded into blocks cannot be restored exactly")
+        from_recent = min(n, self.recent_count)
+        self.recent_count -= from_recent
+        if n > from_recent:
+            keep = self.sink_count - (n - from_recent)
+            self.sink = KV(self.sink.k[:, :, :keep], self.sink.v[:, :, :keep]) if keep else None
+            self.sink_count = keep
+        self.offset -= n
+        self.newest = max(0, self.newest - n)
+        self._fetched = None
+        return n
+
+    def regions(self) -> dict[str, int]:
+        tokens = self.region_tokens()
+        recent_bytes = array_bytes(self.recent.k.data, self.recent.v.data)
+        per_token = recent_bytes // max(self.recent.k.capacity(), 1)
+        return {
+            "sink": 0 if self.sink is None else array_bytes(*self.sink),
+            "body": 0 if self.body is None else array_bytes(*self.body.k, *self.body.v),
+            "live": per_token * tokens["live"],
+            "tail": per_token * tokens["tail"],
+            "reserve": recent_bytes - per_token * self.recent_count,
+        }
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """Arrays, then scalars: offset, newest, layer, the geometry, the K/V shape, and the scheme's options as
+        name, value pairs (mlx-lm 0.32.2's save_prompt_cache stores the scalars it finds in `state`)."""
+        sink = (None, None) if self.sink is None else tuple(self.sink)
+        body = (None, None) if self.body is None else tuple(self.body)
+        recent = (None, None)
+        if self.recent_count:
+            recent = (self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count))
+        meta = (self.offset, self.newest, self.layer, *(getattr(self, name) for name in GEOMETRY),
+                *(self._shape or (None,) * 4))
+        return (*sink, *body, *recent, *meta, *(x for item in self.options.items() for x in item))
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        sk, sv, bk, bv, rk, rv, offset, newest, layer, *rest = v
+        geometry, shape, pairs = rest[:3], rest[3:7], rest[7:]
+        options = dict(zip(pairs[0::2], pairs[1::2]))
+        self.__init__(layer, **{**dict(zip(GEOMETRY, geometry)), **options})
+        self.options = options
+        self.offset, self.newest = offset, newest
+        self._shape = None if None in shape else tuple(shape)
+        if sk is not None:
+            self.sink, self.sink_count = KV(sk, sv), sk.shape[2]
+        if bk is not None:
+            self.body = KV(tuple(bk), tuple(bv))
+        if rk is not None:
+            self.recent = KV(GrowingBuffer(STORE_DTYPE, rk), GrowingBuffer(STORE_DTYPE, rv))
+            self.recent_count = rk.shape[2]
+
+
+@dataclass(frozen=True)
+class BlockScheme(Scheme):
+    """The registry entry of a `BlockCache` subclass: its options are passed to the class, whose methods give
+    the byte formula (encoding a block of zeros), the policy rule (can it encode these head dims?) and the audit."""
+
+    def __post_init__(self) -> None:
+        cls = self.cache_class
+        if not (isinstance(cls, type) and issubclass(cls, BlockCache)):
+            raise TypeError(f"BlockScheme {self.name!r}: cache_class must be a BlockCache subclass, got {cls!r}")
+        if cls.scheme != self.name:
+            raise ValueError(f"BlockScheme {self.name!r}: {cls.__name__}.scheme is {cls.scheme!r}; "
+                             "set `scheme = ...` in the class to the registered name")
+        for opt in self.options:
+            if clashes(opt.name):
+                raise ValueError(f"BlockScheme {self.name!r}: option name {opt.name!r} clashes with a "
+                                 "BlockCache attribute")
+
+    def make_cache(self, options: dict[str, Any], layer: int | None = None) -> BlockCache:
+        return self.cache_class(layer=layer, **options)
+
+    def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
+        """No rolling window for block schemes yet (BlockCache.window_check)."""
+        raise ValueError(f"{where}: {self.cache_class.__name__} has no rolling window (max_kv_size); accepted: None")
+
+    def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
+        """A layer whose head dims the class cannot encode stays fp16, with the class's reason."""
+        try:
+            self.cache_class(**options).check_head_dims(k_dim, v_dim)
+        except ValueError as exc:
+            return str(exc).split(": ", 1)[-1]
+        return None
+
+    def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
+        """Encoded blocks at the bytes of one block of zeros; sink, live and tail tokens as fp16 (token by token:
+        the newest token not yet encoded unless the class encodes on arrival)."""
+        cache = self.cache_class(**options)
+        newest = 0 if cache.encode_on_arrival else 1
+        r = block_regions(tokens, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens, newest)
+        blocks = r["body"] // cache.block_tokens
+        fp16_tokens = tokens - r["body"]
+        return kv_heads * (blocks * cache.block_bytes(k_dim, v_dim) + fp16_tokens * (k_dim + v_dim) * 2.0)
+
+    def audit(self, cache: BlockCache, options: dict[str, Any]) -> tuple[str, bool]:
+        """The options the policy gave, and every block that is due encoded."""
+        for name, value in options.items():
+            if getattr(cache, name, None) != value:
+                return f"{name} {getattr(cache, name, None)}, policy says {value}", False
+        due = block_regions(cache.offset, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens,
+                            cache.newest)["body"]
+        if cache.n_blocks * cache.block_tokens < due:
+            return f"{due} tokens should be encoded at {cache.offset} tokens, found {cache.n_blocks} blocks", True
+        return "", due > 0
+
+    def memory_regions(self, cache: BlockCache) -> tuple[dict[str, int], dict[str, int] | None]:
+        regions = cache.regions()
+        regions.pop("reserve")
+        return regions, cache.region_tokens()
+
+    def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
+        """(tokens, D) through the class's encode and decode (tokens a multiple of block_tokens)."""
+        out = self.cache_class(**options).roundtrip(mx.array(np.asarray(x, np.float32))[None, None], kind)
+        return np.array(out[0, 0].astype(mx.float32))

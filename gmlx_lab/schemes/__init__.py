@@ -1,0 +1,13 @@
+"""The built-in schemes, one module each: fp16 (the baseline), affine and affine_rot, kvarn.
+
+Importing this package registers them (gmlx_lab's __init__ does), in this order, which is the order error
+messages and the widgets list them in; a plug-in is one more module like these that calls
+`gmlx_lab.register_scheme`.
+"""
+
+from importlib import import_module
+
+BUILT_IN = ("fp16", "affine", "kvarn")
+
+for _name in BUILT_IN:
+    import_module(f"{__name__}.{_name}")

@@ -1,0 +1,36 @@
+"""The fp16 scheme: K and V stored as float16, the baseline every other scheme is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..cache.fp16 import FP16Cache
+from ..registry import BASELINE, Scheme, register_scheme
+
+
+@dataclass(frozen=True)
+class FP16Scheme(Scheme):
+    """No options; every layer it is asked about stays fp16."""
+
+    def make_cache(self, options: dict[str, Any], layer: int | None = None) -> FP16Cache:
+        return FP16Cache(layer=layer)
+
+    def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
+        return "fp16 scheme"
+
+    def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
+        """2 bytes per value: kv_heads * tokens * (dk + dv) * 2."""
+        return kv_heads * tokens * (k_dim + v_dim) * 2.0
+
+    def memory_regions(self, cache: Any) -> tuple[dict[str, int], dict[str, int] | None]:
+        return {"fp16": cache.regions()["tokens"]}, None
+
+    def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+SCHEME = register_scheme(FP16Scheme(BASELINE, "K and V stored as float16 (the baseline)", cache_class=FP16Cache,
+                                    color="#9e9e9e"))

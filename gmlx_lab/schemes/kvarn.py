@@ -1,0 +1,148 @@
+"""The kvarn scheme: Hadamard rotation and variance-normalized 128-token records, fp16 sink and tail.
+
+The cache is `cache/kvarn.py`, the record format and the region geometry `records.py`; this module says
+what the registry, the policy, the figures and the audit need to know about it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .. import records, window
+from ..cache.kvarn import KVarNCache
+from ..registry import KVARN_BITS, KVARN_BITS_ENV, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, Option, Scheme, register_scheme
+
+OPTIONS = (
+    Option("bits", 6, "code width for K and V", KVARN_BITS),
+    Option("k_bits", None, "code width for K (default: bits)", KVARN_BITS),
+    Option("v_bits", None, "code width for V (default: bits)", KVARN_BITS),
+    Option("kv_tail_tokens", 1024, "newest tokens kept in fp16"),
+    Option("norm_iters", 16, "variance-normalization rounds per record", minimum=0),
+    Option("head_dim_ext", 0, "1: also head dims 64 and 96, records of 128 tokens by the whole head "
+           "(outside gmlx's format; gmlx declines such layers)", (0, 1)),
+)
+
+
+def parse_kvarn_bits(text: str) -> tuple[int, int]:
+    """Parse a GMLX_KVARN_BITS value: "6" (both) or "k6v5" (K then V)."""
+    match = re.fullmatch(r"\s*(?:(\d+)|k(\d+)v(\d+))\s*", text or "")
+    if not match:
+        raise ValueError(
+            f"{KVARN_BITS_ENV}={text!r} is malformed; expected a width such as '6' "
+            f"or K and V widths such as 'k6v5' (widths: {', '.join(map(str, KVARN_BITS))})"
+        )
+    if match.group(1):
+        kb = vb = int(match.group(1))
+    else:
+        kb, vb = int(match.group(2)), int(match.group(3))
+    for which, b in (("K", kb), ("V", vb)):
+        if b not in KVARN_BITS:
+            raise ValueError(
+                f"{KVARN_BITS_ENV}={text!r}: {which} width {b} is not supported; "
+                f"accepted: {', '.join(map(str, KVARN_BITS))}"
+            )
+    return kb, vb
+
+
+@dataclass(frozen=True)
+class KvarnScheme(Scheme):
+    """Records of 128 tokens x 128 channels per KV head; needs head dims of whole 128-channel slices."""
+
+    def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """K/V widths: explicit k_bits/v_bits, else bits; GMLX_KVARN_BITS overrides both."""
+        env = os.environ.get(KVARN_BITS_ENV)
+        if env is not None and env.strip() != "":
+            kb, vb = parse_kvarn_bits(env)
+        else:
+            kb = values["k_bits"] if values["k_bits"] is not None else values["bits"]
+            vb = values["v_bits"] if values["v_bits"] is not None else values["bits"]
+        return {**values, "k_bits": kb, "v_bits": vb}
+
+    def make_cache(self, options: dict[str, Any], layer: int | None = None) -> KVarNCache:
+        return KVarNCache(options["k_bits"], options["v_bits"], options["kv_tail_tokens"], options["norm_iters"],
+                          layer=layer, head_dim_ext=options.get("head_dim_ext", 0))
+
+    def label(self, values: dict[str, Any]) -> str:
+        """`kvarn6 tail=1024`, `kvarn k6v5 tail=128`; " ext" with the head-dim extension (64/96)."""
+        return super().label(values) + (" ext" if values.get("head_dim_ext") else "")
+
+    def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
+        if kind == "latent-attention":
+            return "MLA latent cache: kvarn declines"
+        ext = options.get("head_dim_ext", 0)
+        for d in sorted({k_dim, v_dim}):
+            if d in KVARN_EXT_HEAD_DIMS and ext:
+                return None
+            if d not in KVARN_HEAD_DIMS:
+                hint = " (head_dim_ext=1 takes 64/96)" if d in KVARN_EXT_HEAD_DIMS else ""
+                return f"head_dim {d}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}{hint}"
+        return None
+
+    def reason_taken(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str:
+        for d in sorted({k_dim, v_dim}):
+            if d in KVARN_EXT_HEAD_DIMS and options.get("head_dim_ext", 0):
+                return (f"growing attention, head_dim {d} by the head-dim extension (records of 128 tokens x "
+                        f"{d} channels: outside gmlx's format)")
+        return "growing attention"
+
+    def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
+        """A kvarn window must hold the sink, the fp16 tail and whole records beside the live group."""
+        window.check(max_kv_size, options["kv_tail_tokens"], where)
+
+    def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
+        """Sealed tokens: dk / w + dv / w records of 128 tokens x w channels each (w = 128, or the whole head of
+        the head-dim extension), 2048 * bits + 768 bytes at w = 128; the rest fp16."""
+        regions = records.region_tokens(tokens, options["kv_tail_tokens"])
+        n_rec = regions["body"] // records.TILE
+        body = n_rec * sum(d // records.slice_width(d) * records.record_bytes(options[f"{kind}_bits"],
+                                                                              records.slice_width(d), kind)
+                           for kind, d in (("k", k_dim), ("v", v_dim)))
+        fp16_tokens = tokens - regions["body"]
+        return kv_heads * (body + fp16_tokens * (k_dim + v_dim) * 2.0)
+
+    def audit(self, cache: KVarNCache, options: dict[str, Any]) -> tuple[str, bool]:
+        widths = (options["k_bits"], options["v_bits"])
+        if (cache.k_bits, cache.v_bits) != widths:
+            return f"widths k{cache.k_bits}v{cache.v_bits}, policy says k{widths[0]}v{widths[1]}", False
+        sealed = records.region_tokens(cache.offset, cache.kv_tail_tokens, cache.newest)["body"]
+        due = (sealed - cache.dropped) // records.TILE  # a rolling window dropped the oldest records
+        if due and (cache.n_records < due or cache.regions()["record_codes"] == 0):
+            return f"{due} records should be sealed at {cache.offset} tokens, found {cache.n_records}", True
+        return "", due > 0
+
+    def memory_regions(self, cache: KVarNCache) -> tuple[dict[str, int], dict[str, int] | None]:
+        """The records' codes and scales as one region, "body", beside the fp16 sink, live group and tail."""
+        r = cache.regions()
+        regions = {"sink": r["sink"], "body": r["record_codes"] + r["record_scales"], "live": r["live"],
+                   "tail": r["tail"]}
+        return regions, cache.region_tokens()
+
+    def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
+        """Rotation, then records of 128 x 128 (tokens and head_dim multiples of 128), rotated back."""
+        x = np.asarray(x, np.float32)
+        if x.shape[0] % records.TILE or x.shape[1] % records.TILE:
+            raise ValueError(f"kvarn error needs tokens and head_dim multiples of 128, got {x.shape}")
+        bits = options["k_bits" if kind == "k" else "v_bits"]
+        rot = _hadamard(x)
+        out = np.empty_like(rot)
+        t, d = x.shape
+        for i in range(0, t, records.TILE):
+            for j in range(0, d, records.TILE):
+                rec = records.encode_record(mx.array(rot[i:i + 128, j:j + 128]), bits, kind)
+                out[i:i + 128, j:j + 128] = np.array(records.decode_record(rec))
+        return _hadamard(out)
+
+
+def _hadamard(x: np.ndarray) -> np.ndarray:
+    return np.array(mx.hadamard_transform(mx.array(x, dtype=mx.float32)))
+
+
+SCHEME = register_scheme(KvarnScheme(
+    "kvarn", "Hadamard rotation + variance-normalized 128x128 records, fp16 sink and tail (KVarN)", OPTIONS,
+    cache_class=KVarNCache, color="#ff7f0e"))
