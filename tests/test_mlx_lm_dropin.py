@@ -101,7 +101,8 @@ def test_head_dim_64_declined_by_kvarn_not_affine(capsys):
     p = gmlx_lab.policy(small, "kvarn", name="hd64")
     assert [d.decision for d in p.layers] == ["fp16"] * 3
     assert str(p) == ("[kv] hd64: kvarn6 tail=1024 -> no layer can use kvarn (layers 0,1 fp16: head_dim 64: kvarn "
-                      "needs 128/256/512; layer 2 fp16: last of deep stack) -> running fp16")
+                      "needs 128/256/512 (head_dim_ext=1 takes 64/96); layer 2 fp16: last of deep stack) -> "
+                      "running fp16")
     assert [d.decision for d in gmlx_lab.policy(small, "affine").layers] == ["affine", "affine", "fp16"]
 
 

@@ -7,10 +7,12 @@ scalars, so `save_prompt_cache`/`load_prompt_cache` round-trip it), `nbytes`, `i
 Every update is checked when it arrives: 4-d float K/V, at least one token, the batch, head count and
 head dims of the first update. Non-finite K/V (inf, nan) are one policy for every scheme: the arriving
 K/V are checked in batches of at least FINITE_BATCH tokens (a prompt chunk at once, decode tokens 32 at a
-time), computed with the step that completes the batch (`mx.depends` ties the flag to the stored data,
-so reading it never waits on the GPU) and read when the next batch forms, or at once by `check_finite()`;
-the error names the layer and the tokens. Batching keeps the check to a few operations per 32 decode
-tokens: checked one by one it costs several kernel launches per layer and token.
+time), computed with the step that completes the batch (`mx.depends` ties the flag to the stored data)
+and read when the batch after the next one forms (by then its step has surely run, so reading never waits
+on the GPU: an error comes at most about 3 x 32 decode tokens late), or at once by `check_finite()`;
+the error names the layer and the tokens. Trimmed tokens leave the queue of tokens still to check.
+Batching keeps the check to a few operations per 32 decode tokens: checked one by one it costs several
+kernel launches per layer and token.
 `GmlxCache.check_finite_on = False` (or GMLX_CHECK_FINITE=0 in the environment) skips it for speed runs;
 benchmarks/model_decode.py measures what it costs.
 """
@@ -121,11 +123,13 @@ class GmlxCache(_BaseCache):
         """Queue this update for the finiteness check; every FINITE_BATCH tokens, check the queue."""
         if not self.check_finite_on:
             return keys, values
+        if self._unchecked_tokens + keys.shape[2] < FINITE_BATCH:
+            self._unchecked.append((keys, values))
+            self._unchecked_tokens += keys.shape[2]
+            return keys, values
+        self.check_finite(keep_last=1)  # the batch before the previous one (raises before this one is queued)
         self._unchecked.append((keys, values))
         self._unchecked_tokens += keys.shape[2]
-        if self._unchecked_tokens < FINITE_BATCH:
-            return keys, values
-        self.check_finite(keep_last=1)  # the previous batch's flag: computed by now
         # the flag joins this step's graph, so it is computed with the step and reading it never waits
         return mx.depends(keys, self._batch_flag(self.offset + keys.shape[2])), values
 
@@ -254,13 +258,27 @@ class GmlxCache(_BaseCache):
         return sum(self.regions().values())
 
     def check_trim(self, n: int, limit: int, why: str) -> int:
-        """Validate a trim request of n tokens against what can be rolled back."""
+        """Validate a trim request of n tokens against what can be rolled back; the trimmed tokens leave the
+        finiteness queue (a rejected draft's K/V are never checked, nor blamed)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{self.where()}: trim(n) needs an int n >= 0, got {n!r}")
         n = min(n, self.offset)
         if n > limit:
             raise ValueError(f"{self.where()}: cannot trim {n} tokens, only {limit} can be rolled back ({why})")
+        self._forget_unchecked(n)
         return n
+
+    def _forget_unchecked(self, n: int) -> None:
+        """Drop the newest n tokens from the finiteness queue (they are being trimmed)."""
+        while n and self._unchecked:
+            k, v = self._unchecked[-1]
+            take = min(n, k.shape[2])
+            if take == k.shape[2]:
+                self._unchecked.pop()
+            else:
+                self._unchecked[-1] = (k[:, :, : k.shape[2] - take], v[:, :, : v.shape[2] - take])
+            self._unchecked_tokens -= take
+            n -= take
 
     def __deepcopy__(self, memo: dict) -> GmlxCache:
         """An independent copy. The copy shares the arrays' data but not the array objects: a write into a
