@@ -33,7 +33,7 @@ from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
 
 import gmlx_lab
-from gmlx_lab.cache import GmlxCache, layer_cache
+from gmlx_lab.cache import GmlxCache
 from gmlx_lab.records import SINK_TOKENS, TILE, region_tokens
 from gmlx_lab.registry import AFFINE_BITS, GROUP_SIZES, KVARN_BITS, get_scheme
 
@@ -68,7 +68,8 @@ class Spec(NamedTuple):
     options: dict
 
     def make(self, layer: int | None = None) -> GmlxCache:
-        return layer_cache(self.scheme, get_scheme(self.scheme).resolve(**self.options), layer=layer)
+        scheme = get_scheme(self.scheme)
+        return scheme.make_cache(scheme.resolve(**self.options), layer=layer)
 
     @property
     def tail(self) -> int:
