@@ -69,7 +69,7 @@ def stored_prefix(reference: PromptCache, chosen: Policy) -> PromptCache:
     """`chosen`'s caches holding the K/V that an fp16 `reference` cache holds, sealed.
 
     Each layer the policy quantizes receives the reference's K/V as ONE update and is then sealed
-    (`PromptCache.seal`); every other entry is an independent copy of the reference's. For kvarn this is
+    (`PromptCache.settle`); every other entry is an independent copy of the reference's. For kvarn this is
     exactly what a one-chunk prefill through its own cache stores (that chunk attends in fp16; records are
     sealed when the next tokens arrive). Affine would also have attended to its own codes during the
     prefill, so deeper layers' K/V would carry that error too; here every scheme stores the same K/V, and
@@ -82,7 +82,7 @@ def stored_prefix(reference: PromptCache, chosen: Policy) -> PromptCache:
         else:
             keys, values = ref.state[:2]
             out[i].update_and_fetch(keys, values)
-    out.seal()
+    out.settle()
     return out
 
 
@@ -340,7 +340,7 @@ def passkey(
             else:
                 cache = chosen.make_cache()
                 prefill(model, prompt.context, cache, prefill_step)
-                cache.seal()
+                cache.settle()
             answer = tokenizer.decode(greedy_tokens(model, prompt.question, cache, digits + 2))
             found = re.search(r"\d+", answer)
             result.trials.append(PasskeyTrial(chosen.label, n, d, prompt.length, prompt.distance, prompt.key,

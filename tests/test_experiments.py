@@ -165,7 +165,7 @@ def test_stored_prefix_is_a_one_chunk_kvarn_prefill_and_leaves_the_reference_alo
     shared = stored_prefix(reference, chosen)
     own = chosen.make_cache()
     prefill(model, ids, own)
-    own.seal()
+    own.settle()
     assert shared[5].n_records == own[5].n_records == 1  # (300 - 128 sink) // 128
     a, b = model(mx.array([question]), cache=shared), model(mx.array([question]), cache=own)
     assert mx.allclose(a, b, atol=1e-5).item()
