@@ -17,7 +17,7 @@ from .. import records, window
 from ..policy import Policy
 from ..records import region_tokens
 from ..registry import BASELINE, SCHEMES
-from .quant import AffineRow, hadamard
+from .quant import AffineRow, hadamard, outlier_ratio
 from .sizes import LayerShape, layer_bytes
 from .style import num, scheme_color, scheme_colors, trace_styles
 
@@ -92,7 +92,7 @@ def affine_row_figure(q: AffineRow, title: str | None = None) -> go.Figure:
         x0 = g * q.group_size
         fig.add_vrect(x0=x0 - 0.5, x1=x0 + q.group_size - 0.5, fillcolor="#1f77b4" if g % 2 else "#aec7e8",
                       opacity=0.12, line_width=0,
-                      annotation_text=f"step {num(s)}<br>offset {num(o)}", annotation_position="top left")
+                      annotation_text=f"scale {num(s)}<br>offset {num(o)}", annotation_position="top left")
     return fig
 
 
@@ -102,8 +102,8 @@ def group_error_figure(q: AffineRow, title: str | None = None) -> go.Figure:
     err = np.sqrt(((q.values - q.recon) ** 2).reshape(-1, q.group_size).mean(1))
     names = [f"{g * q.group_size}-{(g + 1) * q.group_size - 1}" for g in groups]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14,
-                        subplot_titles=("step size = (max - min) / levels", "RMS error of the group"))
-    fig.add_bar(x=names, y=q.scales, marker_color="#1f77b4", name="step", row=1, col=1,
+                        subplot_titles=("step size |scale| = (max − min) / (levels − 1)", "RMS error of the group"))
+    fig.add_bar(x=names, y=np.abs(q.scales), marker_color="#1f77b4", name="step", row=1, col=1,
                 hovertemplate="channels %{x}: step %{y:.3g}<extra></extra>")
     fig.add_bar(x=names, y=err, marker_color="#d62728", name="RMS error", row=1, col=2,
                 hovertemplate="channels %{x}: RMS error %{y:.3g}<extra></extra>")
@@ -142,9 +142,8 @@ def channel_figure(k: np.ndarray, title: str = "per-channel magnitude of K") -> 
     """
     before, after = np.abs(k).max(0), np.abs(hadamard(k)).max(0)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=(f"before rotation: largest channel {num(before.max() / np.median(before), 2)}x "
-                                        "the median",
-                                        f"after rotation: largest channel {num(after.max() / np.median(after), 2)}x "
+                        subplot_titles=(f"before rotation: largest channel {num(outlier_ratio(k), 2)}x the median",
+                                        f"after rotation: largest channel {num(outlier_ratio(hadamard(k)), 2)}x "
                                         "the median"))
     fig.add_bar(x=np.arange(before.size), y=before, row=1, col=1, marker_color="#d62728", name="before",
                 hovertemplate="channel %{x}: %{y:.3g}<extra>before</extra>")
@@ -181,8 +180,9 @@ def butterfly_figure(stages: list[np.ndarray], stage: int) -> go.Figure:
     fig.add_bar(x=idx, y=x, name=f"after stage {stage}", marker_color="#17becf",
                 hovertemplate="entry %{x}: %{y:.3g}<extra></extra>")
     if span:
-        for i in idx[(idx // span) % 2 == 0]:
-            fig.add_shape(type="line", x0=i, x1=i + span, y0=-0.95 * top, y1=-0.95 * top, line={"color": "#555555"})
+        for i in idx[(idx // span) % 2 == 0]:  # each mixed pair as a bracket under the bars
+            y = -top * (0.96 - 0.08 * (i % span))
+            fig.add_shape(type="line", x0=i, x1=i + span, y0=y, y1=y, line={"color": "#555555", "width": 2})
     fig.update_xaxes(dtick=1)
     return fig
 
@@ -238,11 +238,11 @@ def imbalance_figure(history: list[float], best: int, tol: float = 1e-3) -> go.F
 def normalize_toy_figure(tile: np.ndarray, scaled: np.ndarray, round_: int, imbalance: float) -> go.Figure:
     """A small tile after `round_` normalization rounds: its values (heatmap) and each row's and column's spread."""
     row_std, col_std = scaled.std(1, ddof=1), scaled.std(0, ddof=1)
-    fig = make_subplots(rows=1, cols=3, column_widths=[0.5, 0.25, 0.25], horizontal_spacing=0.1,
-                        subplot_titles=("scaled tile", "spread of each row", "spread of each column"))
+    fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.3, 0.3], horizontal_spacing=0.1,
+                        subplot_titles=("scaled tile (red +, blue −)", "spread of each row", "spread of each column"))
     lim = float(np.abs(tile).max())
-    fig.add_heatmap(z=scaled, row=1, col=1, colorscale="RdBu", zmid=0, zmin=-lim, zmax=lim,
-                    colorbar={"title": "value", "x": 0.44}, hovertemplate="row %{y}, col %{x}: %{z:.3g}<extra></extra>")
+    fig.add_heatmap(z=scaled, row=1, col=1, colorscale="RdBu_r", zmid=0, zmin=-lim, zmax=lim, showscale=False,
+                    hovertemplate="row %{y}, col %{x}: %{z:.3g}<extra></extra>")
     fig.add_bar(x=np.arange(row_std.size), y=row_std, row=1, col=2, marker_color="#d62728", name="row std",
                 hovertemplate="row %{x}: std %{y:.3g}<extra></extra>")
     fig.add_bar(x=np.arange(col_std.size), y=col_std, row=1, col=3, marker_color="#1f77b4", name="column std",
@@ -280,7 +280,7 @@ def regions_bar(context: int, tail: int, title: str | None = None, max_context: 
     r = region_tokens(context, tail)
     fig = _fig(title=title or f"kvarn cache at {context} tokens, kv_tail_tokens={tail}: {r['body'] // 128} records",
                xaxis_title="token position (oldest first)", height=230, barmode="stack", showlegend=True,
-               yaxis={"visible": False}, legend={"orientation": "h", "y": -0.45})
+               yaxis={"visible": False}, legend={"orientation": "h", "y": -0.45, "traceorder": "normal"})
     for name in ("sink", "body", "live", "tail"):
         label = REGION_NAMES[name]
         fig.add_bar(y=["cache"], x=[r[name]], orientation="h", name=label, marker_color=REGION_COLORS[name],
@@ -340,24 +340,28 @@ def sink_mass_figure(mass: np.ndarray, sink: int = 128, even: float | None = Non
     return fig
 
 
-def sink_layers_figure(mass: np.ndarray, sink: int = 1, even: float | None = None,
+def sink_layers_figure(mass: np.ndarray, sink: int = 1, even: float | None = None, layers: list[int] | None = None,
                        title: str | None = None) -> go.Figure:
     """The attention share on the first `sink` tokens, one point per query head and a line (head mean) per layer.
 
-    Readable for deep models; `even` (the share of an even spread) is drawn as the baseline.
+    Readable for deep models; `even` (the share of an even spread) is drawn as the baseline; `layers` names
+    the rows of `mass` (a capture's `cap.layers`; default 0, 1, ...).
     """
-    layers, heads = mass.shape
+    n, heads = mass.shape
+    x = np.asarray(layers if layers is not None else range(n))
+    if x.size != n:
+        raise ValueError(f"{x.size} layer names for {n} rows of mass")
     first = "token 0" if sink == 1 else f"the first {sink} tokens"
     fig = _fig(title=title or f"share of attention on {first}, per layer", xaxis_title="layer",
                yaxis_title=f"attention share on {first}", height=380, yaxis_range=[0, 1.02])
-    fig.add_scatter(x=np.repeat(np.arange(layers), heads), y=mass.ravel(), mode="markers", name="one query head",
-                    marker={"color": "#9e9ac8", "size": 6}, customdata=np.tile(np.arange(heads), layers),
+    fig.add_scatter(x=np.repeat(x, heads), y=mass.ravel(), mode="markers", name="one query head",
+                    marker={"color": "#9e9ac8", "size": 7}, customdata=np.tile(np.arange(heads), n),
                     hovertemplate="layer %{x}, head %{customdata}: %{y:.2f}<extra></extra>")
-    fig.add_scatter(x=np.arange(layers), y=mass.mean(1), mode="lines+markers", name="mean over heads",
+    fig.add_scatter(x=x, y=mass.mean(1), mode="lines+markers", name="mean over heads",
                     line={"color": "#3f007d"}, hovertemplate="layer %{x}: mean %{y:.2f}<extra></extra>")
     if even is not None:
         _baseline(fig, even, f"even spread: {num(even, 2)}")
-    fig.update_xaxes(dtick=1 if layers <= 32 else None)
+    fig.update_xaxes(tickvals=x if n <= 40 else None)
     return fig
 
 
@@ -443,7 +447,8 @@ def kernel_times_figure(data: dict[str, Any], title: str | None = None) -> go.Fi
                         line={"color": st["color"], "dash": dash, "width": 3 if scheme_names[impl] == BASELINE else 2},
                         marker={"symbol": st["symbol"], "size": 8},
                         hovertemplate="%{x} tokens: %{y:.3g} µs<extra>" + html.escape(impl) + "</extra>")
-    fig.update_xaxes(tickvals=sorted({r["context"] for r in rows}))
+    ticks = sorted({r["context"] for r in rows})
+    fig.update_xaxes(tickvals=ticks, ticktext=[f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ticks])
     return fig
 
 

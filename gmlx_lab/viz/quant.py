@@ -17,7 +17,7 @@ from .. import records
 from ..registry import get_scheme
 
 __all__ = ["AffineRow", "affine_row", "butterfly_stages", "even_share", "hadamard", "normalize_history",
-           "normalize_rounds", "outlier_row", "quant_error", "record_of"]
+           "normalize_rounds", "outlier_ratio", "outlier_row", "quant_error", "record_of"]
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
@@ -139,3 +139,9 @@ def even_share(context: int, sink: int, after: int | None = None) -> float:
         raise ValueError(f"need 0 <= after < context, got after={after}, context={context}")
     t = np.arange(after, context)
     return float(np.mean(np.minimum(sink, t + 1) / (t + 1)))
+
+
+def outlier_ratio(x: np.ndarray) -> float:
+    """How far the largest channel sticks out: max over channels of max |x| over tokens, over the median channel's."""
+    peak = np.abs(np.asarray(x, np.float32)).max(0)
+    return float(peak.max() / max(float(np.median(peak)), 1e-12))
