@@ -56,9 +56,13 @@ def affine_row(row: np.ndarray, bits: int = 4, group_size: int = 64) -> AffineRo
     return AffineRow(np.asarray(row, np.float32), codes, scales, offsets, recon_np, bits, group_size)
 
 
-def record_of(block: np.ndarray, bits: int, kind: str, iters: int = 16) -> records.Records:
-    """Encode a (128 tokens, 128 channels) block, rotating it first as the kvarn cache does."""
-    return records.encode_record(mx.array(hadamard(block)), bits, kind, iters)
+def record_of(block: np.ndarray, bits: int, kind: str, iters: int = 16, part: int = 0) -> records.Records:
+    """Encode a (128 tokens, head_dim) block as the kvarn cache does: rotate over the whole head, then record the
+    128-channel slice number `part` (head_dim 128: the only one)."""
+    rotated = hadamard(block)[:, 128 * part : 128 * (part + 1)]
+    if rotated.shape != (128, 128):
+        raise ValueError(f"need 128 tokens and channel slice {part} of 128 channels; the block is {block.shape}")
+    return records.encode_record(mx.array(rotated), bits, kind, iters)
 
 
 def quant_error(x: np.ndarray, method: str, bits: int, group_size: int = 64, kind: str = "k") -> float:
