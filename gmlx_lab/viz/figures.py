@@ -464,7 +464,8 @@ def bars_figure(rows: list[dict[str, Any]], x: str, y: str, color: str, title: s
         labels = [str(r.get(text) or "") for r in pts] if text else None
         fig.add_bar(x=[str(r[x]) for r in pts], y=[r[y] for r in pts], name=key,
                     marker_color=styles[key]["color"], text=labels, textposition="outside" if text else None,
-                    textangle=-90 if text else None, cliponaxis=False,
+                    textangle=-90 if text else None, cliponaxis=False, constraintext="none",
+                    textfont={"size": 11, "color": styles[key]["color"]} if text else None,
                     hovertemplate=f"%{{x}}, {html.escape(key)}: %{{y:.3g}}<extra></extra>")
     return fig
 
