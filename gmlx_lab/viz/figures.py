@@ -122,7 +122,7 @@ def error_figure(rows: list[dict[str, Any]], title: str = "reconstruction error 
     Colour is the scheme's, a shade per variant (g32 dark ... g128 light), dashed for V.
     """
     fig = _fig(title=title, xaxis_title="bits per code", yaxis_title="relative error ‖x − x̂‖ / ‖x‖ (log)",
-               yaxis_type="log", height=400)
+               yaxis_type="log", yaxis_exponentformat="power", height=400)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     styles = trace_styles(methods)
     for method in methods:
@@ -422,6 +422,12 @@ def position_kl_figure(result: Any, title: str | None = None) -> go.Figure:
                         hovertemplate="position %{x}: KL %{y:.3g}<extra>" + html.escape(s["label"]) + "</extra>")
     if schemes:
         fig.add_vline(x=len(schemes[0]["prefill_kl"]) - 0.5, line=BASELINE_LINE, annotation_text="decode starts")
+    nonzero = [i for s in schemes for i, v in enumerate(list(s["prefill_kl"]) + list(s["decode_kl"])) if v > 0]
+    if nonzero and min(nonzero) > 32:  # a long stretch of KL 0 (tokens attended in fp16): start the view near its end
+        fig.update_xaxes(range=[min(nonzero) - 24, max(len(s["prefill_kl"]) + len(s["decode_kl"]) for s in schemes)])
+        fig.add_annotation(text=f"KL is 0 before position {min(nonzero)} (zoom out to see it)", showarrow=False,
+                           xref="paper", yref="paper", x=0, y=1.06, xanchor="left", font={"size": 11})
+    fig.update_yaxes(exponentformat="power")
     return fig
 
 
