@@ -34,10 +34,16 @@ def _fig(**layout: Any) -> go.Figure:
     return fig
 
 
-def _baseline(fig: go.Figure, y: float, text: str, **where: Any) -> None:
-    """A dotted horizontal baseline with its meaning written on it."""
+def _baseline(fig: go.Figure, y: float, text: str, log: bool = False, **where: Any) -> None:
+    """A dotted horizontal baseline with its meaning written on it (`log`: the y axis is logarithmic)."""
+    font = {"color": BASELINE_LINE["color"], "size": 11}
+    if log:  # plotly places a log axis's annotations in log10 units
+        fig.add_hline(y=y, line=BASELINE_LINE, **where)
+        fig.add_annotation(text=text, x=1, xref="paper", y=np.log10(y), yanchor="bottom", xanchor="right",
+                           showarrow=False, font=font)
+        return
     fig.add_hline(y=y, line=BASELINE_LINE, annotation_text=text, annotation_position="top right",
-                  annotation_font={"color": BASELINE_LINE["color"], "size": 11}, **where)
+                  annotation_font=font, **where)
 
 
 def bytes_label(n: float) -> str:
@@ -222,15 +228,15 @@ def imbalance_figure(history: list[float], best: int, tol: float = 1e-3) -> go.F
     last = int(moving[-1]) + 1 if moving.size else 0  # the last round that still changed the imbalance
     shown = max(last, best) + 1
     rest = len(h) - shown
-    fig = _fig(title=f"variance normalization: imbalance {num(h[0])} → {num(h[best])} (round {best} kept"
-                     + (f"; rounds {shown}-{len(h) - 1} change nothing and are not drawn)" if rest else ")"),
+    fig = _fig(title=f"variance normalization: imbalance {num(h[0])} → {num(h[best])}, round {best} kept"
+                     + (f"<br><sup>rounds {shown}-{len(h) - 1} change nothing and are not drawn</sup>" if rest else ""),
                xaxis_title="normalization round (0 = unscaled)", yaxis_title="imbalance (log)", yaxis_type="log",
-               height=340)
+               yaxis_range=[np.log10(1.8), np.log10(1.3 * float(h[:shown].max()))], height=340)
     fig.add_scatter(x=list(range(shown)), y=h[:shown], mode="lines+markers", name="imbalance",
                     line={"color": "#ff7f0e"}, hovertemplate="round %{x}: %{y:.3g}<extra></extra>")
     fig.add_scatter(x=[best], y=[h[best]], mode="markers", marker={"size": 14, "symbol": "star", "color": "#6a3d9a"},
                     name="kept", hovertemplate="kept: round %{x}, %{y:.3g}<extra></extra>")
-    _baseline(fig, 2.0, "2 = perfectly balanced")
+    _baseline(fig, 2.0, "2 = perfectly balanced", log=True)
     fig.update_xaxes(dtick=1)
     return fig
 
