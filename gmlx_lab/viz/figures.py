@@ -117,7 +117,7 @@ def group_error_figure(q: AffineRow, title: str | None = None) -> go.Figure:
         fig.update_xaxes(title_text="group (channels)", type="category", row=1, col=col)
     fig.update_yaxes(title_text="step (value units)", row=1, col=1)
     fig.update_yaxes(title_text="RMS error (value units)", row=1, col=2)
-    fig.update_layout(**_LAYOUT, height=320, showlegend=False,
+    fig.update_layout(**{**_LAYOUT, "margin": {**_LAYOUT["margin"], "t": 90}}, height=340, showlegend=False,
                       title=title or f"{q.bits}-bit, groups of {q.group_size}: each group pays for its own range")
     return fig
 
@@ -260,7 +260,7 @@ def normalize_toy_figure(tile: np.ndarray, scaled: np.ndarray, round_: int, imba
     fig.update_xaxes(title_text="column", dtick=1, row=1, col=3)
     fig.update_yaxes(title_text="std (value units)", range=[0, top], row=1, col=2)
     fig.update_yaxes(title_text="std (value units)", range=[0, top], row=1, col=3)
-    fig.update_layout(**_LAYOUT, height=340, showlegend=False,
+    fig.update_layout(**{**_LAYOUT, "margin": {**_LAYOUT["margin"], "t": 90}}, height=360, showlegend=False,
                       title=f"after {round_} round(s): imbalance {num(imbalance)} (2 = every row and column alike)")
     return fig
 
