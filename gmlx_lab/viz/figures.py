@@ -19,7 +19,7 @@ from ..records import region_tokens
 from ..registry import BASELINE, SCHEMES
 from .quant import AffineRow, hadamard, outlier_ratio
 from .sizes import LayerShape, layer_bytes
-from .style import num, scheme_color, scheme_colors, trace_styles
+from .style import num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
 
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
 REGION_NAMES = {"sink": "sink (fp16)", "body": "records (quantized)", "live": "live group (fp16)",
@@ -547,7 +547,8 @@ def draft_figure(result: Any, title: str | None = None) -> go.Figure:
     data = experiment_data(result)
     runs = data["runs"]
     labels = [r["label"] for r in runs]
-    colors = [scheme_color(label) for label in labels]
+    styles = trace_styles(labels)
+    colors = [styles[label]["color"] for label in labels]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
                         subplot_titles=("drafted tokens accepted", "tokens per target forward pass"))
     fig.add_bar(x=labels, y=[100 * r["acceptance"] for r in runs], marker_color=colors, row=1, col=1,
