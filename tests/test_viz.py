@@ -1,10 +1,8 @@
 """The notebook library: region geometry, byte formulas, normalization history, captures, figures, widgets."""
 
-import json
 
 import mlx.core as mx
 import numpy as np
-import plotly.graph_objects as go
 import pytest
 from conftest import random_kv
 
@@ -93,30 +91,10 @@ def test_greedy_generation_and_divergence(model) -> None:
     assert kv_inspect.first_divergence([1, 2], [1, 2, 3]) is None
 
 
-def test_figures_build_and_serialize() -> None:
-    k, v = random_kv(256, heads=1)
-    x = np.array(k[0, 0])
-    rec = viz.record_of(x[128:], 4, "k")
-    history, best = viz.normalize_history(np.array(mx.hadamard_transform(k[0, 0, 128:]).T))
-    pols = [gmlx_lab.policy(specimen(f), "kvarn") for f in ("llama", "gemma3", "deepseek_v3")]
-    figs = [
-        viz.affine_row_figure(viz.affine_row(x[0])),
-        viz.error_figure([{"method": "affine", "bits": 4, "error": 0.1}]),
-        viz.channel_figure(x),
-        viz.record_figure(rec),
-        viz.imbalance_figure(history, best),
-        viz.code_histogram(rec),
-        viz.regions_bar(1500, 1024),
-        viz.regions_stream(2048, 128),
-        viz.sink_mass_figure(np.random.rand(4, 3)),
-        viz.policy_strip(pols),
-        viz.kl_strip(np.random.rand(8)),
-        viz.growth_figure({"a": ([0, 1], [0.0, 1.0])}),
-    ]
-    for fig in figs:
-        assert isinstance(fig, go.Figure)
-        json.loads(fig.to_json())
-    assert "<table>" in viz.Table([{"a": 1, "b": 0.5}])._repr_html_()
+def test_table_renders_rows_as_html() -> None:
+    """The figure builders are walked in tests/test_figures.py; the table is the one non-plotly display."""
+    html = viz.Table([{"a": 1, "b": 0.5199999809265137}], "cap")._repr_html_()
+    assert "<table>" in html and "<caption>cap</caption>" in html and "0.52" in html and "0.5199" not in html
 
 
 def test_policy_bytes_family_savings() -> None:
@@ -152,3 +130,15 @@ def test_smollm2_has_attention_sinks_where_the_teaching_model_has_none() -> None
     model, tok = gmlx_lab.load()
     bundled = kv_inspect.capture(model, kv_inspect.eval_tokens(tok, 256), attention=True)
     assert bundled.sink_mass(sink=1, after=128).mean(axis=1).max() < 0.05
+
+
+def test_kv_explorer_opens_on_the_strongest_outlier_layer() -> None:
+    from gmlx_lab import widgets
+
+    k, v = random_kv(64, heads=1)  # channels 3, 40, 77, 114 are 20x: the outlier layer
+    calm = np.random.default_rng(0).normal(size=(1, 64, 128)).astype(np.float32)
+    cap = kv_inspect.Capture("toy", list(range(64)), {0: calm, 1: np.array(k[0]), 2: calm},
+                             {i: calm for i in range(3)})
+    layer = widgets.kv_explorer(cap).children[0].children[0]
+    assert layer.value == 1
+    assert widgets.kv_explorer(cap, layer=2).children[0].children[0].value == 2

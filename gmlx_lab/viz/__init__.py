@@ -15,29 +15,46 @@ from .figures import (
     Table,
     affine_row_figure,
     bars_figure,
+    butterfly_figure,
     bytes_label,
     channel_figure,
     code_histogram,
     draft_figure,
     error_figure,
     experiment_data,
+    group_error_figure,
     growth_figure,
     imbalance_figure,
+    kernel_times_figure,
     kl_strip,
+    layer_kind_figure,
+    normalize_toy_figure,
     passkey_heatmaps,
     policy_strip,
+    position_kl_figure,
     record_figure,
     regions_bar,
     regions_stream,
-    scheme_color,
-    scheme_colors,
+    sink_layers_figure,
     sink_mass_figure,
     table_html,
     weights_kv_figure,
     weights_kv_positions,
     window_stream,
 )
-from .quant import AffineRow, affine_row, hadamard, normalize_history, quant_error, record_of
+from .quant import (
+    AffineRow,
+    affine_row,
+    butterfly_stages,
+    even_share,
+    hadamard,
+    normalize_history,
+    normalize_rounds,
+    outlier_ratio,
+    outlier_row,
+    quant_error,
+    record_of,
+)
 from .sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from .sources import (
     GMLX_KL_TABLE,
@@ -47,15 +64,19 @@ from .sources import (
     dense_bytes_per_token,
     family_curves,
 )
+from .style import figure_problems, num, scheme_color, scheme_colors, trace_styles
 
 __all__ = [
-    "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "REAL_DENSE_CONFIGS", "REGION_COLORS", "AffineRow", "LayerShape",
-    "Source", "Table", "affine_row", "affine_row_figure", "bars_figure", "benchmark_results", "bytes_label",
-    "channel_figure", "code_histogram", "dense_bytes_per_token", "draft_figure", "error_figure", "experiment_data",
-    "family_curves", "growth_figure", "hadamard", "imbalance_figure", "kl_strip", "layer_bytes", "layer_shapes",
-    "normalize_history", "passkey_heatmaps", "policy_bytes", "policy_strip", "quant_error", "record_bytes",
-    "record_figure", "record_of", "regions_bar", "regions_stream", "scheme_color", "scheme_colors",
-    "sink_mass_figure", "source", "table_html", "weights_kv_figure", "weights_kv_positions", "window_stream",
+    "AffineRow", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "LayerShape", "REAL_DENSE_CONFIGS", "REGION_COLORS",
+    "Source", "Table", "affine_row", "affine_row_figure", "bars_figure", "benchmark_results", "butterfly_figure",
+    "butterfly_stages", "bytes_label", "channel_figure", "code_histogram", "dense_bytes_per_token", "draft_figure",
+    "error_figure", "even_share", "experiment_data", "family_curves", "figure_problems", "group_error_figure",
+    "growth_figure", "hadamard", "imbalance_figure", "kernel_times_figure", "kl_strip", "layer_bytes",
+    "layer_kind_figure", "layer_shapes", "normalize_history", "normalize_rounds", "normalize_toy_figure", "num",
+    "outlier_ratio", "outlier_row", "passkey_heatmaps", "policy_bytes", "policy_strip", "position_kl_figure",
+    "quant_error", "record_bytes", "record_figure", "record_of", "regions_bar", "regions_stream", "scheme_color",
+    "scheme_colors", "sink_layers_figure", "sink_mass_figure", "source", "table_html", "trace_styles",
+    "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
 
 

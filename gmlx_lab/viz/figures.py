@@ -17,10 +17,15 @@ from .. import records, window
 from ..policy import Policy
 from ..records import region_tokens
 from ..registry import BASELINE, SCHEMES
-from .quant import AffineRow, hadamard
+from .quant import AffineRow, hadamard, outlier_ratio
+from .sizes import LayerShape, layer_bytes
+from .style import num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
 
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
-_LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
+REGION_NAMES = {"sink": "sink (fp16)", "body": "records (quantized)", "live": "live group (fp16)",
+                "tail": "tail (fp16)"}
+BASELINE_LINE = {"color": "#555555", "dash": "dot", "width": 1.5}  # every drawn baseline
+_LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 60, "b": 50}}
 
 
 def _fig(**layout: Any) -> go.Figure:
@@ -29,16 +34,16 @@ def _fig(**layout: Any) -> go.Figure:
     return fig
 
 
-def scheme_colors() -> dict[str, str]:
-    """Each registered scheme's colour (its registry entry's `color`), in registration order."""
-    return {name: scheme.color for name, scheme in SCHEMES.items()}
-
-
-def scheme_color(label: str) -> str:
-    """The colour of the scheme a label starts with ("affine K", "kvarn4 tail=0"); grey for anything else."""
-    colors = scheme_colors()
-    name = next((n for n in sorted(colors, key=len, reverse=True) if str(label).startswith(n)), None)
-    return colors.get(name, "#444444")
+def _baseline(fig: go.Figure, y: float, text: str, log: bool = False, **where: Any) -> None:
+    """A dotted horizontal baseline with its meaning written on it (`log`: the y axis is logarithmic)."""
+    font = {"color": BASELINE_LINE["color"], "size": 11}
+    if log:  # plotly places a log axis's annotations in log10 units
+        fig.add_hline(y=y, line=BASELINE_LINE, **where)
+        fig.add_annotation(text=text, x=1, xref="paper", y=np.log10(y), yanchor="bottom", xanchor="right",
+                           showarrow=False, font=font)
+        return
+    fig.add_hline(y=y, line=BASELINE_LINE, annotation_text=text, annotation_position="top right",
+                  annotation_font=font, **where)
 
 
 def bytes_label(n: float) -> str:
@@ -54,56 +59,142 @@ def growth_figure(curves: dict[str, tuple[list[int], list[float]]],
                   title: str = "KV cache size vs context") -> go.Figure:
     """Lines of cache bytes against context, one per name: {name: (contexts, bytes)}."""
     fig = _fig(title=title, xaxis_title="context (tokens)", yaxis_title="cache (MiB)", height=420)
+    styles = trace_styles(curves)
     for name, (ctx, size) in curves.items():
+        st = styles[name]
         fig.add_scatter(x=ctx, y=np.asarray(size) / 2**20, mode="lines+markers", name=name,
-                        hovertemplate="%{x} tokens: %{y:.2f} MiB<extra>" + html.escape(name) + "</extra>")
+                        line={"color": st["color"], "dash": st["dash"]}, marker={"symbol": st["symbol"]},
+                        hovertemplate="%{x} tokens: %{y:.3g} MiB<extra>" + html.escape(name) + "</extra>")
     return fig
 
 
-def affine_row_figure(q: AffineRow) -> go.Figure:
-    """A row's values, its affine reconstruction, and each group's scale and offset."""
+def layer_kind_figure(shapes: dict[str, LayerShape], contexts: list[int],
+                      title: str = "one layer's fp16 cache vs context, by kind of layer") -> go.Figure:
+    """Bytes of one layer of each kind against context: full attention grows, windows and recurrent state stop."""
+    fig = _fig(title=title, xaxis_title="context (tokens)", yaxis_title="one layer's cache (KiB)", height=400)
+    styles = trace_styles(shapes)
+    for name, shape in shapes.items():
+        size = [layer_bytes(shape, BASELINE, c, {}) / 1024 for c in contexts]
+        fig.add_scatter(x=contexts, y=size, mode="lines+markers", name=name,
+                        line={"color": styles[name]["color"]}, marker={"symbol": styles[name]["symbol"]},
+                        hovertemplate="%{x} tokens: %{y:.3g} KiB<extra>" + html.escape(name) + "</extra>")
+        if shape.window:
+            fig.add_vline(x=shape.window, line=BASELINE_LINE, annotation_text=f"window {shape.window}",
+                          annotation_position="top left")
+    return fig
+
+
+def affine_row_figure(q: AffineRow, title: str | None = None) -> go.Figure:
+    """A row's values, its affine reconstruction, and each group's step (scale) and offset."""
     x = np.arange(q.values.size)
-    fig = _fig(title=f"affine {q.bits}-bit, group {q.group_size}: one K row "
-                     f"(rel. error {np.linalg.norm(q.values - q.recon) / np.linalg.norm(q.values):.3f})",
+    err = np.linalg.norm(q.values - q.recon) / max(np.linalg.norm(q.values), 1e-12)
+    fig = _fig(title=title or f"affine {q.bits}-bit, group {q.group_size}: one K row (rel. error {num(err)})",
                xaxis_title="channel", yaxis_title="value", height=380)
-    fig.add_scatter(x=x, y=q.values, mode="lines", name="original", line={"color": "#444"})
+    fig.add_scatter(x=x, y=q.values, mode="lines", name="original", line={"color": "#444444"},
+                    hovertemplate="ch %{x}: %{y:.3g}<extra>original</extra>")
     fig.add_scatter(x=x, y=q.recon, mode="lines", name="reconstructed", line={"color": "#d62728", "shape": "hv"},
-                    customdata=q.codes, hovertemplate="ch %{x}: %{y:.3f} (code %{customdata})<extra></extra>")
+                    customdata=q.codes, hovertemplate="ch %{x}: %{y:.3g} (code %{customdata})<extra></extra>")
     for g, (s, o) in enumerate(zip(q.scales, q.offsets)):
         x0 = g * q.group_size
         fig.add_vrect(x0=x0 - 0.5, x1=x0 + q.group_size - 0.5, fillcolor="#1f77b4" if g % 2 else "#aec7e8",
                       opacity=0.12, line_width=0,
-                      annotation_text=f"scale {s:.3g}<br>offset {o:.3g}", annotation_position="top left")
+                      annotation_text=f"scale {num(s)}<br>offset {num(o)}", annotation_position="top left")
+    return fig
+
+
+def group_error_figure(q: AffineRow, title: str | None = None) -> go.Figure:
+    """Per group of an affine row: its step (scale) and its RMS error, on one shared x of groups."""
+    groups = np.arange(q.scales.size)
+    err = np.sqrt(((q.values - q.recon) ** 2).reshape(-1, q.group_size).mean(1))
+    names = [f"{g * q.group_size}-{(g + 1) * q.group_size - 1}" for g in groups]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14,
+                        subplot_titles=("step size |scale| = (max − min) / (levels − 1)", "RMS error of the group"))
+    fig.add_bar(x=names, y=np.abs(q.scales), marker_color="#1f77b4", name="step", row=1, col=1,
+                hovertemplate="channels %{x}: step %{y:.3g}<extra></extra>")
+    fig.add_bar(x=names, y=err, marker_color="#d62728", name="RMS error", row=1, col=2,
+                hovertemplate="channels %{x}: RMS error %{y:.3g}<extra></extra>")
+    for col in (1, 2):
+        fig.update_xaxes(title_text="group (channels)", type="category", row=1, col=col)
+    fig.update_yaxes(title_text="step (value units)", row=1, col=1)
+    fig.update_yaxes(title_text="RMS error (value units)", row=1, col=2)
+    fig.update_layout(**{**_LAYOUT, "margin": {**_LAYOUT["margin"], "t": 90}}, height=340, showlegend=False,
+                      title=title or f"{q.bits}-bit, groups of {q.group_size}: each group pays for its own range")
     return fig
 
 
 def error_figure(rows: list[dict[str, Any]], title: str = "reconstruction error vs bits") -> go.Figure:
-    """Lines of relative error against bits, one per method: rows of {method, bits, error}."""
-    fig = _fig(title=title, xaxis_title="bits per code", yaxis_title="relative error ||x - x̂|| / ||x||",
-               yaxis_type="log", height=380)
-    for method in dict.fromkeys(r["method"] for r in rows):
+    """Lines of relative error against bits, one per method: rows of {method, bits, error}.
+
+    Colour is the scheme's, a shade per variant (g32 dark ... g128 light), dashed for V.
+    """
+    fig = _fig(title=title, xaxis_title="bits per code", yaxis_title="relative error ‖x − x̂‖ / ‖x‖ (log)",
+               yaxis_type="log", yaxis_exponentformat="power", height=400)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    styles = trace_styles(methods)
+    for method in methods:
         pts = sorted((r["bits"], r["error"]) for r in rows if r["method"] == method)
+        st = styles[method]
         fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=method,
-                        line={"color": scheme_color(method)})
+                        line={"color": st["color"], "dash": st["dash"]}, marker={"symbol": st["symbol"], "size": 8},
+                        hovertemplate="%{x} bits: error %{y:.3g}<extra>" + html.escape(method) + "</extra>")
+    fig.update_xaxes(dtick=1)
     return fig
 
 
 def channel_figure(k: np.ndarray, title: str = "per-channel magnitude of K") -> go.Figure:
-    """Max |K| per channel over the tokens, before and after the Hadamard rotation."""
+    """Max |K| per channel over the tokens, before and after the Hadamard rotation, on one shared y axis.
+
+    The dotted line in each panel is the median channel: the outlier ratio in the panel title is max over it.
+    """
     before, after = np.abs(k).max(0), np.abs(hadamard(k)).max(0)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=(f"before rotation: max/median {before.max() / np.median(before):.1f}x",
-                                        f"after rotation: max/median {after.max() / np.median(after):.1f}x"))
-    fig.add_bar(x=np.arange(before.size), y=before, row=1, col=1, marker_color="#d62728", name="before")
-    fig.add_bar(x=np.arange(after.size), y=after, row=2, col=1, marker_color="#2ca02c", name="after")
-    fig.update_layout(**_LAYOUT, title=title, height=460, showlegend=False)
+                        subplot_titles=(f"before rotation: largest channel {num(outlier_ratio(k), 2)}x the median",
+                                        f"after rotation: largest channel {num(outlier_ratio(hadamard(k)), 2)}x "
+                                        "the median"))
+    fig.add_bar(x=np.arange(before.size), y=before, row=1, col=1, marker_color="#d62728", name="before",
+                hovertemplate="channel %{x}: %{y:.3g}<extra>before</extra>")
+    fig.add_bar(x=np.arange(after.size), y=after, row=2, col=1, marker_color="#2ca02c", name="after",
+                hovertemplate="channel %{x}: %{y:.3g}<extra>after</extra>")
+    for row, values in ((1, before), (2, after)):
+        _baseline(fig, float(np.median(values)), f"median {num(np.median(values))}", row=row, col=1)
+    top = 1.08 * float(max(before.max(), after.max()))
+    fig.update_layout(**_LAYOUT, title=title, height=480, showlegend=False)
     fig.update_xaxes(title_text="channel", row=2, col=1)
-    fig.update_yaxes(title_text="max |value|")
+    fig.update_yaxes(title_text="max |K| over tokens", range=[0, top])
+    return fig
+
+
+def butterfly_figure(stages: list[np.ndarray], stage: int) -> go.Figure:
+    """An 8-point Hadamard, one butterfly stage at a time: the vector after `stage` stages (0: the input).
+
+    Stage s pairs entries 2^(s-1) apart and replaces (a, b) by ((a + b), (a - b)) / sqrt(2); the y axis is fixed
+    across stages so the outlier visibly spreads out.
+    """
+    if not 0 <= stage < len(stages):
+        raise ValueError(f"stage {stage} is out of range: 0 (the input) to {len(stages) - 1}")
+    x, first = stages[stage], stages[0]
+    idx = np.arange(x.size)
+    top = 1.1 * float(np.abs(first).max())
+    span = 2 ** (stage - 1) if stage else 0
+    what = (f"stage {stage}: entries {span} apart are mixed, (a+b)/√2 and (a−b)/√2" if stage
+            else "the input: one outlier")
+    fig = _fig(title=f"{what} · largest |value| {num(np.abs(x).max())}", xaxis_title="entry",
+               yaxis_title="value", height=340, yaxis_range=[-top, top], bargap=0.3)
+    fig.add_scatter(x=idx, y=first, mode="markers", name="input", marker={"color": "#999999", "symbol": "line-ew-open",
+                                                                          "size": 26, "line": {"width": 2}},
+                    hovertemplate="entry %{x}: input %{y:.3g}<extra></extra>")
+    fig.add_bar(x=idx, y=x, name=f"after stage {stage}", marker_color="#17becf",
+                hovertemplate="entry %{x}: %{y:.3g}<extra></extra>")
+    if span:
+        for i in idx[(idx // span) % 2 == 0]:  # each mixed pair as a bracket under the bars
+            y = -top * (0.96 - 0.08 * (i % span))
+            fig.add_shape(type="line", x0=i, x1=i + span, y0=y, y1=y, line={"color": "#555555", "width": 2})
+    fig.update_xaxes(dtick=1)
     return fig
 
 
 def record_figure(rec: records.Records, title: str = "") -> go.Figure:
-    """A kvarn record: its decoded tile as a heatmap, with the row and column scales beside it."""
+    """A kvarn record: its codes as a heatmap, with the row steps and column scales beside it."""
     q = np.array(records.unpack_rows(rec.codes, rec.bits))
     rows_name, cols_name = ("channel", "token") if rec.kind == "k" else ("token", "channel")
     fig = make_subplots(rows=2, cols=2, column_widths=[0.8, 0.2], row_heights=[0.2, 0.8],
@@ -112,47 +203,98 @@ def record_figure(rec: records.Records, title: str = "") -> go.Figure:
     fig.add_heatmap(z=q, row=2, col=1, colorscale="Viridis", colorbar={"title": "code", "x": 1.02},
                     hovertemplate=f"{rows_name} %{{y}}, {cols_name} %{{x}}: code %{{z}}<extra></extra>")
     fig.add_scatter(y=np.arange(128), x=np.array(rec.scale_axis).astype(np.float32), row=2, col=2,
-                    mode="lines", name=f"row step ({rows_name})", line={"color": "#d62728"})
+                    mode="lines", name=f"row step ({rows_name})", line={"color": "#d62728"},
+                    hovertemplate=f"{rows_name} %{{y}}: step %{{x:.3g}}<extra></extra>")
     fig.add_scatter(x=np.arange(128), y=np.array(rec.other_axis).astype(np.float32), row=1, col=1, mode="lines",
-                    name=f"column scale ({cols_name})", line={"color": "#1f77b4"})
+                    name=f"column scale ({cols_name})", line={"color": "#1f77b4"},
+                    hovertemplate=f"{cols_name} %{{x}}: scale %{{y:.3g}}<extra></extra>")
     fig.update_yaxes(autorange="reversed", row=2, col=1, title_text=f"row = {rows_name}")
     fig.update_xaxes(title_text=f"column = {cols_name}", row=2, col=1)
-    fig.update_layout(**_LAYOUT, height=560, title=title or f"{rec.kind.upper()} record, {rec.bits}-bit codes",
+    fig.update_yaxes(title_text="column scale", row=1, col=1)
+    fig.update_xaxes(title_text="row step", row=2, col=2)
+    fig.update_layout(**_LAYOUT, height=580, title=title or f"{rec.kind.upper()} record, {rec.bits}-bit codes",
                       legend={"orientation": "h", "y": -0.12})
     return fig
 
 
-def imbalance_figure(history: list[float], best: int) -> go.Figure:
-    """Imbalance of the tile after each normalization round, the kept round marked."""
-    fig = _fig(title=f"variance normalization: imbalance {history[0]:.1f} -> {history[best]:.2f} "
-                     f"(round {best} kept; 2 is perfect balance)",
-               xaxis_title="round", yaxis_title="imbalance", yaxis_type="log", height=340)
-    fig.add_scatter(x=list(range(len(history))), y=history, mode="lines+markers", name="imbalance")
-    fig.add_scatter(x=[best], y=[history[best]], mode="markers", marker={"size": 14, "symbol": "star"},
-                    name="kept")
+def imbalance_figure(history: list[float], best: int, tol: float = 1e-3) -> go.Figure:
+    """Imbalance of the tile after each normalization round, drawn until it stops changing, the kept round marked.
+
+    Rounds after convergence (relative change below `tol`) are summarised in the title rather than drawn.
+    """
+    h = np.asarray(history, float)
+    change = np.abs(np.diff(h)) / np.maximum(np.abs(h[:-1]), 1e-12)
+    moving = np.nonzero(change > tol)[0]
+    last = int(moving[-1]) + 1 if moving.size else 0  # the last round that still changed the imbalance
+    shown = max(last, best) + 1
+    rest = len(h) - shown
+    fig = _fig(title=f"variance normalization: imbalance {num(h[0])} → {num(h[best])}, round {best} kept"
+                     + (f"<br><sup>rounds {shown}-{len(h) - 1} change nothing and are not drawn</sup>" if rest else ""),
+               xaxis_title="normalization round (0 = unscaled)", yaxis_title="imbalance (log)", yaxis_type="log",
+               yaxis_range=[np.log10(1.8), np.log10(1.3 * float(h[:shown].max()))], height=340)
+    fig.add_scatter(x=list(range(shown)), y=h[:shown], mode="lines+markers", name="imbalance",
+                    line={"color": "#ff7f0e"}, hovertemplate="round %{x}: %{y:.3g}<extra></extra>")
+    fig.add_scatter(x=[best], y=[h[best]], mode="markers", marker={"size": 14, "symbol": "star", "color": "#6a3d9a"},
+                    name="kept", hovertemplate="kept: round %{x}, %{y:.3g}<extra></extra>")
+    _baseline(fig, 2.0, "2 = perfectly balanced", log=True)
+    fig.update_xaxes(dtick=1)
+    return fig
+
+
+def normalize_toy_figure(tile: np.ndarray, scaled: np.ndarray, round_: int, imbalance: float) -> go.Figure:
+    """A small tile after `round_` normalization rounds: its values (heatmap) and each row's and column's spread."""
+    row_std, col_std = scaled.std(1, ddof=1), scaled.std(0, ddof=1)
+    fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.3, 0.3], horizontal_spacing=0.1,
+                        subplot_titles=("scaled tile (red +, blue −)", "spread of each row", "spread of each column"))
+    lim = float(np.abs(tile).max())
+    fig.add_heatmap(z=scaled, row=1, col=1, colorscale="RdBu_r", zmid=0, zmin=-lim, zmax=lim, showscale=False,
+                    hovertemplate="row %{y}, col %{x}: %{z:.3g}<extra></extra>")
+    fig.add_bar(x=np.arange(row_std.size), y=row_std, row=1, col=2, marker_color="#d62728", name="row std",
+                hovertemplate="row %{x}: std %{y:.3g}<extra></extra>")
+    fig.add_bar(x=np.arange(col_std.size), y=col_std, row=1, col=3, marker_color="#1f77b4", name="column std",
+                hovertemplate="column %{x}: std %{y:.3g}<extra></extra>")
+    top = 1.1 * float(max(tile.std(1, ddof=1).max(), tile.std(0, ddof=1).max()))
+    fig.update_yaxes(autorange="reversed", title_text="row", row=1, col=1)
+    fig.update_xaxes(title_text="column", row=1, col=1)
+    fig.update_xaxes(title_text="row", dtick=1, row=1, col=2)
+    fig.update_xaxes(title_text="column", dtick=1, row=1, col=3)
+    fig.update_yaxes(title_text="std (value units)", range=[0, top], row=1, col=2)
+    fig.update_yaxes(title_text="std (value units)", range=[0, top], row=1, col=3)
+    fig.update_layout(**{**_LAYOUT, "margin": {**_LAYOUT["margin"], "t": 90}}, height=360, showlegend=False,
+                      title=f"after {round_} round(s): imbalance {num(imbalance)} (2 = every row and column alike)")
     return fig
 
 
 def code_histogram(rec: records.Records) -> go.Figure:
-    """How often each code value occurs in a record."""
+    """How often each code value occurs in a record, against an even spread over the levels."""
     q = np.array(records.unpack_rows(rec.codes, rec.bits)).ravel()
-    counts = np.bincount(q, minlength=2**rec.bits)
-    fig = _fig(title=f"code histogram ({rec.bits} bits: {2**rec.bits} levels)", xaxis_title="code",
-               yaxis_title="count", height=300, bargap=0.05)
-    fig.add_bar(x=np.arange(counts.size), y=counts, marker_color="#ff7f0e")
+    levels = 2**rec.bits
+    counts = np.bincount(q, minlength=levels)
+    fig = _fig(title=f"code histogram ({rec.bits} bits: {levels} levels)", xaxis_title="code",
+               yaxis_title="count (codes in the record)", height=300, bargap=0.05)
+    fig.add_bar(x=np.arange(counts.size), y=counts, marker_color="#ff7f0e", name="codes",
+                hovertemplate="code %{x}: %{y} times<extra></extra>")
+    _baseline(fig, q.size / levels, f"even spread: {num(q.size / levels)} each")
     return fig
 
 
-def regions_bar(context: int, tail: int, title: str | None = None) -> go.Figure:
-    """The kvarn cache as one bar of regions (sink | records | live | tail) after `context` tokens."""
+def regions_bar(context: int, tail: int, title: str | None = None, max_context: int | None = None) -> go.Figure:
+    """The kvarn cache as one bar of regions (sink | records | live | tail) after `context` tokens.
+
+    Each sealed record is its own box. With `max_context` the axis is fixed, so the bar grows as tokens arrive.
+    """
     r = region_tokens(context, tail)
     fig = _fig(title=title or f"kvarn cache at {context} tokens, kv_tail_tokens={tail}: {r['body'] // 128} records",
-               xaxis_title="token position", height=220, barmode="stack", showlegend=True,
-               yaxis={"showticklabels": False})
+               xaxis_title="token position (oldest first)", height=230, barmode="stack", showlegend=True,
+               yaxis={"visible": False}, legend={"orientation": "h", "y": -0.45, "traceorder": "normal"})
     for name in ("sink", "body", "live", "tail"):
-        label = "records (quantized)" if name == "body" else f"{name} (fp16)"
+        label = REGION_NAMES[name]
         fig.add_bar(y=["cache"], x=[r[name]], orientation="h", name=label, marker_color=REGION_COLORS[name],
-                    hovertemplate=f"{label}: %{{x}} tokens<extra></extra>")
+                    marker_line={"color": "white", "width": 1}, hovertemplate=f"{label}: %{{x}} tokens<extra></extra>")
+    for edge in range(r["sink"] + 128, r["sink"] + r["body"], 128):  # the boundaries between records
+        fig.add_vline(x=edge, line={"color": "white", "width": 2})
+    if max_context:
+        fig.update_xaxes(range=[0, max_context])
     return fig
 
 
@@ -161,9 +303,9 @@ def regions_stream(max_context: int, tail: int, step: int = 16) -> go.Figure:
     ctx = np.arange(0, max_context + 1, step)
     rows = [region_tokens(int(c), tail) for c in ctx]
     fig = _fig(title=f"regions as tokens stream in (kv_tail_tokens={tail})", xaxis_title="tokens so far",
-               yaxis_title="tokens in region", height=340)
+               yaxis_title="tokens in region (stacked)", height=340)
     for name in ("sink", "body", "live", "tail"):
-        fig.add_scatter(x=ctx, y=[r[name] for r in rows], stackgroup="one", name=name,
+        fig.add_scatter(x=ctx, y=[r[name] for r in rows], stackgroup="one", name=REGION_NAMES[name],
                         line={"color": REGION_COLORS[name], "width": 0.5})
     return fig
 
@@ -175,7 +317,7 @@ def window_stream(max_context: int, tail: int, max_kv_size: int, step: int = 16)
     fig = _fig(title=f"a rolling window of {max_kv_size} tokens (kv_tail_tokens={tail}): the sink stays, "
                      "records leave oldest first", xaxis_title="tokens so far", yaxis_title="tokens held", height=340)
     for name in ("sink", "body", "live", "tail"):
-        fig.add_scatter(x=ctx, y=[r[name] for r in rows], stackgroup="one", name="records" if name == "body" else name,
+        fig.add_scatter(x=ctx, y=[r[name] for r in rows], stackgroup="one", name=REGION_NAMES[name],
                         line={"color": REGION_COLORS[name], "width": 0.5})
     fig.add_scatter(x=ctx, y=[r["dropped"] for r in rows], name="dropped (not held)", mode="lines",
                     line={"color": "#555555", "dash": "dot"})
@@ -183,17 +325,54 @@ def window_stream(max_context: int, tail: int, max_kv_size: int, step: int = 16)
     return fig
 
 
-def sink_mass_figure(mass: np.ndarray, sink: int = 128) -> go.Figure:
-    """Heatmap of the attention share on the first `sink` tokens, per layer and query head."""
-    fig = _fig(title=f"share of attention on the first {sink} tokens (queries after them)",
-               xaxis_title="query head", yaxis_title="layer", height=360)
-    fig.add_heatmap(z=mass, colorscale="Purples", zmin=0, zmax=1, text=np.round(mass, 2), texttemplate="%{text}",
-                    y=[str(i) for i in range(mass.shape[0])])
+def sink_mass_figure(mass: np.ndarray, sink: int = 128, even: float | None = None) -> go.Figure:
+    """Heatmap of the attention share on the first `sink` tokens, per layer and query head.
+
+    `even` is the share an even spread of attention would give (`even_share`): the colour scale is white there,
+    so only cells above it (purple) draw more attention to the first tokens than their number alone explains.
+    """
+    layers, heads = mass.shape
+    mid = 0.5 if even is None else even
+    fig = _fig(title=f"share of attention on the first {sink} token(s)"
+                     + (f" · an even spread gives {num(even)}" if even is not None else ""),
+               xaxis_title="query head", yaxis_title="layer", height=140 + 40 * layers)
+    fig.add_heatmap(z=mass, x=list(range(heads)), y=list(range(layers)), zmin=0, zmax=1, zmid=mid,
+                    colorscale=[[0, "#8c8c8c"], [mid, "#ffffff"], [1, "#3f007d"]],
+                    text=[[num(v, 2) for v in row] for row in mass], texttemplate="%{text}",
+                    colorbar={"title": "share"}, xgap=1, ygap=1,
+                    hovertemplate="layer %{y}, head %{x}: %{text}<extra></extra>")
+    fig.update_xaxes(dtick=1)
+    fig.update_yaxes(dtick=1, autorange="reversed")
     return fig
 
 
-def policy_strip(policies: list[Policy]) -> go.Figure:
-    """One row per model, one cell per cache entry, coloured by decision; hover shows the reason."""
+def sink_layers_figure(mass: np.ndarray, sink: int = 1, even: float | None = None, layers: list[int] | None = None,
+                       title: str | None = None) -> go.Figure:
+    """The attention share on the first `sink` tokens, one point per query head and a line (head mean) per layer.
+
+    Readable for deep models; `even` (the share of an even spread) is drawn as the baseline; `layers` names
+    the rows of `mass` (a capture's `cap.layers`; default 0, 1, ...).
+    """
+    n, heads = mass.shape
+    x = np.asarray(layers if layers is not None else range(n))
+    if x.size != n:
+        raise ValueError(f"{x.size} layer names for {n} rows of mass")
+    first = "token 0" if sink == 1 else f"the first {sink} tokens"
+    fig = _fig(title=title or f"share of attention on {first}, per layer", xaxis_title="layer",
+               yaxis_title=f"attention share on {first}", height=380, yaxis_range=[0, 1.02])
+    fig.add_scatter(x=np.repeat(x, heads), y=mass.ravel(), mode="markers", name="one query head",
+                    marker={"color": "#9e9ac8", "size": 7}, customdata=np.tile(np.arange(heads), n),
+                    hovertemplate="layer %{x}, head %{customdata}: %{y:.2f}<extra></extra>")
+    fig.add_scatter(x=x, y=mass.mean(1), mode="lines+markers", name="mean over heads",
+                    line={"color": "#3f007d"}, hovertemplate="layer %{x}: mean %{y:.2f}<extra></extra>")
+    if even is not None:
+        _baseline(fig, even, f"even spread: {num(even, 2)}")
+    fig.update_xaxes(tickvals=x if n <= 40 else None)
+    return fig
+
+
+def policy_strip(policies: list[Policy], title: str | None = None) -> go.Figure:
+    """One row per policy (model and scheme), one cell per cache entry, coloured by decision; hover shows why."""
     colors = scheme_colors()
     order = list(colors)
     n = max(len(p.layers) for p in policies)
@@ -202,16 +381,20 @@ def policy_strip(policies: list[Policy]) -> go.Figure:
         z.append([order.index(d.decision) for d in p.layers] + [None] * (n - len(p.layers)))
         pad = [""] * (n - len(p.layers))
         text.append([f"layer {d.index}: {d.kind}, {d.decision} ({d.reason})" for d in p.layers] + pad)
-        names.append(f"{p.name} ({len(p.quantized)}/{sum(d.grows for d in p.layers)})")
+        names.append(f"{p.name} · {p.label} ({len(p.quantized)}/{sum(d.grows for d in p.layers)})")
+    if len(set(names)) < len(names):
+        raise ValueError(f"two rows would share a name: {names}; pass policies that differ in model or scheme")
     scale = []
     for i, name in enumerate(order):
         scale += [[i / len(order), colors[name]], [(i + 1) / len(order), colors[name]]]
-    fig = _fig(title=f"per-layer decisions under {policies[0].label}", xaxis_title="cache entry (layer)",
-               height=120 + 36 * len(policies))
+    labels = list(dict.fromkeys(p.label for p in policies))
+    fig = _fig(title=title or f"per-layer decisions under {', '.join(labels)} (quantized / growing layers)",
+               xaxis_title="cache entry (layer)", yaxis_title="model · scheme", height=140 + 36 * len(policies))
     fig.add_heatmap(z=z, text=text, hoverinfo="text", y=names, colorscale=scale, zmin=-0.5,
                     zmax=len(order) - 0.5, xgap=2, ygap=2,
                     colorbar={"tickvals": list(range(len(order))), "ticktext": order, "title": "decision"})
     fig.update_yaxes(autorange="reversed")
+    fig.update_xaxes(dtick=1 if n <= 40 else None)
     return fig
 
 
@@ -223,15 +406,79 @@ def kl_strip(kl: np.ndarray, labels: list[str] | None = None, title: str = "KL p
     return fig
 
 
+def position_kl_figure(result: Any, title: str | None = None) -> go.Figure:
+    """KL(fp16 || scheme) per position for each scheme of a `fidelity` result (prefill, then decode).
+
+    Variants of a scheme get shades and decreasing widths, so a line lying on another stays visible;
+    KL of exactly 0 (a scheme that stored nothing quantized) is drawn at the floor 1e-9 and says so.
+    """
+    data = experiment_data(result)
+    schemes = data["schemes"]
+    labels = [s["label"] for s in schemes]
+    styles = trace_styles(labels)
+    fig = _fig(title=title or f"KL(fp16 || scheme) per position, {data['model']}", xaxis_title="position (token)",
+               yaxis_title="KL (nats, log)", yaxis_type="log", height=400)
+    for i, s in enumerate(schemes):
+        kl = list(s["prefill_kl"]) + list(s["decode_kl"])
+        zero = max(kl, default=0) == 0
+        name = s["label"] + (" (KL 0: nothing quantized)" if zero else "")
+        fig.add_scatter(x=list(range(len(kl))), y=[max(v, 1e-9) for v in kl], mode="lines", name=name,
+                        line={"color": styles[s["label"]]["color"], "width": max(4.5 - 1.5 * i, 1.2),
+                              "dash": "dot" if zero else "solid"},
+                        hovertemplate="position %{x}: KL %{y:.3g}<extra>" + html.escape(s["label"]) + "</extra>")
+    if schemes:
+        fig.add_vline(x=len(schemes[0]["prefill_kl"]) - 0.5, line=BASELINE_LINE, annotation_text="decode starts")
+    nonzero = [i for s in schemes for i, v in enumerate(list(s["prefill_kl"]) + list(s["decode_kl"])) if v > 0]
+    if nonzero and min(nonzero) > 32:  # a long stretch of KL 0 (tokens attended in fp16): start the view near its end
+        fig.update_xaxes(range=[min(nonzero) - 24, max(len(s["prefill_kl"]) + len(s["decode_kl"]) for s in schemes)])
+        fig.add_annotation(text=f"KL is 0 before position {min(nonzero)} (zoom out to see it)", showarrow=False,
+                           xref="paper", yref="paper", x=0, y=1.06, xanchor="left", font={"size": 11})
+    fig.update_yaxes(exponentformat="power")
+    return fig
+
+
+def kernel_times_figure(data: dict[str, Any], title: str | None = None) -> go.Figure:
+    """Decode attention time against context, one line per implementation (benchmarks/results/decode_attention-*).
+
+    Colour: the scheme (shade per width); solid: the fused kernel, dashed: mlx-lm's path; fp16 SDPA is the baseline.
+    """
+    rows = data["rows"]
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    scheme_names = {impl: next((n for n in sorted(SCHEMES, key=len, reverse=True) if n in impl), BASELINE)
+                    for impl in impls}
+    widths = {impl: impl.rsplit(scheme_names[impl], 1)[-1] for impl in impls}
+    styles = trace_styles(f"{scheme_names[i]}{widths[i]}" for i in impls)
+    fig = _fig(title=title or f"decode attention per step on {data.get('device', '?')}: time vs context",
+               xaxis_title="context (tokens, log)", yaxis_title="time per decode step (µs, log)",
+               xaxis_type="log", yaxis_type="log", height=440)
+    for impl in impls:
+        pts = sorted((r["context"], r["us"]) for r in rows if r["impl"] == impl)
+        st = styles[f"{scheme_names[impl]}{widths[impl]}"]
+        dash = "solid" if impl.startswith("fused") or scheme_names[impl] == BASELINE else "dash"
+        fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=impl,
+                        line={"color": st["color"], "dash": dash, "width": 3 if scheme_names[impl] == BASELINE else 2},
+                        marker={"symbol": st["symbol"], "size": 8},
+                        hovertemplate="%{x} tokens: %{y:.3g} µs<extra>" + html.escape(impl) + "</extra>")
+    ticks = sorted({r["context"] for r in rows})
+    fig.update_xaxes(tickvals=ticks, ticktext=[f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ticks])
+    return fig
+
+
 def bars_figure(rows: list[dict[str, Any]], x: str, y: str, color: str, title: str, log: bool = False,
-                ytitle: str | None = None) -> go.Figure:
-    """Grouped bars from rows of dicts: one trace per `color` value."""
-    fig = _fig(title=title, xaxis_title=x, yaxis_title=ytitle or y, barmode="group", height=380,
+                ytitle: str | None = None, text: str | None = None, xtitle: str | None = None) -> go.Figure:
+    """Grouped bars from rows of dicts: one trace per `color` value; `text`: a key whose value labels a bar."""
+    fig = _fig(title=title, xaxis_title=xtitle or x, yaxis_title=ytitle or y, barmode="group", height=400,
                yaxis_type="log" if log else "linear")
-    for key in dict.fromkeys(r[color] for r in rows):
-        pts = [r for r in rows if r[color] == key]
-        fig.add_bar(x=[str(r[x]) for r in pts], y=[r[y] for r in pts], name=str(key),
-                    marker_color=scheme_color(key))
+    keys = list(dict.fromkeys(str(r[color]) for r in rows))
+    styles = trace_styles(keys)
+    for key in keys:
+        pts = [r for r in rows if str(r[color]) == key]
+        labels = [str(r.get(text) or "") for r in pts] if text else None
+        fig.add_bar(x=[str(r[x]) for r in pts], y=[r[y] for r in pts], name=key,
+                    marker_color=styles[key]["color"], text=labels, textposition="outside" if text else None,
+                    textangle=-90 if text else None, cliponaxis=False, constraintext="none",
+                    textfont={"size": 11, "color": styles[key]["color"]} if text else None,
+                    hovertemplate=f"%{{x}}, {html.escape(key)}: %{{y:.3g}}<extra></extra>")
     return fig
 
 
@@ -300,7 +547,8 @@ def draft_figure(result: Any, title: str | None = None) -> go.Figure:
     data = experiment_data(result)
     runs = data["runs"]
     labels = [r["label"] for r in runs]
-    colors = [scheme_color(label) for label in labels]
+    styles = trace_styles(labels)
+    colors = [styles[label]["color"] for label in labels]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
                         subplot_titles=("drafted tokens accepted", "tokens per target forward pass"))
     fig.add_bar(x=labels, y=[100 * r["acceptance"] for r in runs], marker_color=colors, row=1, col=1,
@@ -364,7 +612,10 @@ def weights_kv_positions(result: Any, weights: str, title: str | None = None) ->
     fig = _fig(title=title or f"KL per decoded token, {weights} weights, {data['model']}",
                xaxis_title=f"decoded token (after {data['prefill']} prefill tokens)", yaxis_title="KL (nats)",
                yaxis_type="log", height=360)
+    styles = trace_styles(r["kv"] for r in rows)
     for r in rows:
+        st = styles[r["kv"]]
         fig.add_scatter(y=[max(v, 1e-9) for v in r["decode_kl"]], mode="lines", name=f"{weights} + {r['kv']}",
-                        line={"color": scheme_color(r["kv"]), "dash": "solid" if r["kv"] == BASELINE else "dot"})
+                        line={"color": st["color"], "dash": "solid" if r["kv"] == BASELINE else "dot"},
+                        hovertemplate="token %{x}: KL %{y:.3g}<extra>" + html.escape(r["kv"]) + "</extra>")
     return fig

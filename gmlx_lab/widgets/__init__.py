@@ -25,6 +25,7 @@ from ..fidelity import fidelity
 from ..models import BUNDLED_NAME, available_models, load
 from ..registry import BASELINE, SCHEMES, get_scheme
 from ..viz import figures
+from ..viz.quant import outlier_ratio
 from .experiments import DraftApp, PasskeyApp, SchemePicker, WeightsApp, draft_app, passkey_app, weights_app
 
 __all__ = ["CompareApp", "DraftApp", "ModelPicker", "PasskeyApp", "SchemePicker", "WeightsApp", "compare",
@@ -77,9 +78,14 @@ def model_picker(default: str | None = None) -> ModelPicker:
     return ModelPicker(default)
 
 
-def kv_explorer(cap: kv_inspect.Capture) -> W.Widget:
-    """Layer / head / token-range pickers over a capture, drawing per-channel |K| before and after rotation."""
-    layer = W.Dropdown(options=cap.layers, description="layer")
+def kv_explorer(cap: kv_inspect.Capture, layer: int | None = None) -> W.Widget:
+    """Layer / head / token-range pickers over a capture, drawing per-channel |K| before and after rotation.
+
+    It opens on `layer`, by default the layer whose K has the strongest outlier channel (`viz.outlier_ratio`).
+    """
+    if layer is None:
+        layer = max(cap.layers, key=lambda i: max(outlier_ratio(k) for k in cap.keys[i]))
+    layer = W.Dropdown(options=cap.layers, value=layer, description="layer")
     head = W.Dropdown(options=list(range(cap.keys[cap.layers[0]].shape[0])), description="KV head")
     n = len(cap.tokens)
     tokens = W.IntRangeSlider(value=(0, n), min=0, max=n, step=1, description="tokens")
@@ -103,15 +109,17 @@ def region_explorer(context: int = 1500, tail: int = 1024) -> W.Widget:
     """Sliders for context and kv_tail_tokens; the kvarn regions drawn as a bar and as a stream."""
     ctx = W.IntSlider(value=context, min=0, max=4096, step=1, description="context", continuous_update=False)
     tl = W.SelectionSlider(options=[0, 128, 256, 512, 1024, 2048], value=tail, description="tail")
-    bar = go.FigureWidget(figures.regions_bar(ctx.value, tl.value))
+    bar = go.FigureWidget(figures.regions_bar(ctx.value, tl.value, max_context=4096))
     stream = go.FigureWidget(figures.regions_stream(4096, tl.value))
 
     def redraw(*_: Any) -> None:
-        new_bar, new_stream = figures.regions_bar(ctx.value, tl.value), figures.regions_stream(4096, tl.value)
+        new_bar = figures.regions_bar(ctx.value, tl.value, max_context=4096)
+        new_stream = figures.regions_stream(4096, tl.value)
         with bar.batch_update():
             for trace, fresh in zip(bar.data, new_bar.data):
                 trace.x = fresh.x
             bar.layout.title.text = new_bar.layout.title.text
+            bar.layout.shapes = new_bar.layout.shapes  # the record boundaries
         with stream.batch_update():
             for trace, fresh in zip(stream.data, new_stream.data):
                 trace.y = fresh.y

@@ -1,0 +1,223 @@
+"""The lab's one visual language: a colour per scheme, K solid and V dashed, shades for variants, short numbers.
+
+    styles = trace_styles(["affine4 g32 K", "affine4 g64 K", "kvarn4 V"])   # {label: {color, dash, symbol}}
+    num(0.5199999809265137)                                                 # '0.52'
+    figure_problems(fig)                                                    # [] when the figure follows the rules
+
+A scheme's colour lives in its registry entry (`SCHEMES[name].color`). Variants of one scheme (group sizes,
+tails, widths) get shades of that colour, darkest first, and a marker each; a trace about V is dashed.
+`figure_problems` lists what breaks the rules, and tests/test_figures.py runs it on every figure builder.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+
+from ..registry import SCHEMES
+
+__all__ = ["MAX_DIGITS", "figure_problems", "num", "scheme_color", "scheme_colors", "scheme_of", "shade",
+           "significant_digits", "trace_styles"]
+
+MAX_DIGITS = 4  # at most this many significant digits in any number a figure prints
+OTHER_COLOR = "#444444"  # a label that names no registered scheme, where it stands alone
+# Labels that name no scheme (model families, layer kinds) take these in order, skipping the schemes' colours.
+CATEGORY_COLORS = ("#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e",
+                   "#17becf", "#7f7f7f", "#393b79", "#637939")
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon")
+_KV_WORDS = {"k": "solid", "v": "dash"}
+
+
+def scheme_colors() -> dict[str, str]:
+    """Each registered scheme's colour (its registry entry's `color`), in registration order."""
+    return {name: scheme.color for name, scheme in SCHEMES.items()}
+
+
+def scheme_of(label: str) -> str | None:
+    """The registered scheme a label starts with ("affine_rot K" -> "affine_rot"), or None."""
+    names = sorted(SCHEMES, key=len, reverse=True)
+    return next((n for n in names if str(label).startswith(n)), None)
+
+
+def scheme_color(label: str) -> str:
+    """The colour of the scheme a label starts with ("affine K", "kvarn4 tail=0"); dark grey for anything else."""
+    name = scheme_of(label)
+    return SCHEMES[name].color if name else OTHER_COLOR
+
+
+def shade(color: str, amount: float) -> str:
+    """`color` ("#rrggbb") mixed towards black (amount < 0) or white (amount > 0), |amount| <= 1."""
+    rgb = np.array([int(color[i : i + 2], 16) for i in (1, 3, 5)], float)
+    target = 255.0 if amount > 0 else 0.0
+    mixed = rgb + (target - rgb) * min(abs(amount), 1.0)
+    return "#" + "".join(f"{int(round(c)):02x}" for c in mixed)
+
+
+def _split(label: str) -> tuple[str, str, str]:
+    """(scheme or label, variant, dash) of a trace label: "affine4 g32 V" -> ("affine", "4 g32", "dash")."""
+    name = scheme_of(label) or ""
+    words = str(label)[len(name):].split()
+    dash = "solid"
+    if words and words[-1].lower() in _KV_WORDS:
+        dash = _KV_WORDS[words.pop().lower()]
+    return name or str(label), " ".join(words), dash
+
+
+def trace_styles(labels: Iterable[str]) -> dict[str, dict[str, str]]:
+    """A distinct {color, dash, symbol} for each label, in the lab's language.
+
+    Colour: the scheme's (registry); a label naming no scheme gets a colour of its own. Variants of one scheme
+    ("affine4 g32", "affine4 g64"): shades of it from dark to light, and a marker each, in order of appearance.
+    Dash: solid for K (or no K/V word), dashed for V.
+    """
+    labels = list(dict.fromkeys(labels))
+    parts = {label: _split(label) for label in labels}
+    variants: dict[str, list[str]] = {}
+    for name, variant, _ in parts.values():
+        variants.setdefault(name, [])
+        if variant not in variants[name]:
+            variants[name].append(variant)
+    taken = {s.color for s in SCHEMES.values()}
+    free = iter([c for c in CATEGORY_COLORS if c not in taken] * 4)
+    bases = {name: SCHEMES[name].color if name in SCHEMES else next(free) for name in variants}
+    out = {}
+    for label, (name, variant, dash) in parts.items():
+        i, n = variants[name].index(variant), len(variants[name])
+        amount = 0.0 if n == 1 else -0.4 + 0.8 * i / (n - 1)  # darker ... lighter (the middle one: the colour)
+        base = bases[name]
+        out[label] = {"color": shade(base, amount), "dash": dash, "symbol": SYMBOLS[i % len(SYMBOLS)]}
+    return out
+
+
+def num(x: float, digits: int = 3) -> str:
+    """A number for a label, with `digits` significant digits: 0.5199999809265137 -> '0.52', 1234567 -> '1.23e+06'."""
+    x = float(x)
+    if x == 0 or not np.isfinite(x):
+        return f"{x:g}"
+    return f"{x:.{digits}g}"
+
+
+# -- the checks --------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(\d+\.\d+|\d+(?:\.\d+)?[eE][-+]?\d+)(?![\w.])")
+_FIELD = re.compile(r"%\{(x|y|z|text)\}")  # a hover or text field printed without a format
+
+
+def significant_digits(token: str) -> int:
+    """Significant digits of a printed decimal ("0.000450" -> 3, "12.3456" -> 6, "1.5e-05" -> 2)."""
+    mantissa = re.split("[eE]", token.lstrip("+-"))[0]
+    return len(mantissa.replace(".", "").lstrip("0")) or 1
+
+
+def _long_numbers(text: Any) -> list[str]:
+    """Decimals in `text` printed with more than MAX_DIGITS significant digits (integers are exact counts)."""
+    if text is None:
+        return []
+    return [m.group(0) for m in _NUMBER.finditer(str(text)) if significant_digits(m.group(0)) > MAX_DIGITS]
+
+
+def _values(data: Any) -> list[Any]:
+    """A trace attribute (number, string, list, nested list, numpy array) as a flat list."""
+    if data is None:
+        return []
+    arr = np.asarray(data, dtype=object)
+    return list(arr.ravel()) if arr.ndim else [arr.item()]
+
+
+def _printed(value: Any) -> str:
+    """How plotly.js prints an unformatted value: a float's shortest round-trip form, float32 widened first."""
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))
+    return str(value)
+
+
+def _text_problems(where: str, texts: Iterable[Any]) -> list[str]:
+    found = sorted({n for t in texts for n in _long_numbers(_printed(t))})
+    return [f"{where} prints {len(found)} number(s) with more than {MAX_DIGITS} significant digits, "
+            f"e.g. {found[0]}"] if found else []
+
+
+def _axis_key(ref: str) -> str:
+    """'x2' -> 'xaxis2', 'y' -> 'yaxis'."""
+    return f"{ref[0]}axis{ref[1:]}"
+
+
+def _has_title(layout: go.Layout, key: str, seen: frozenset[str] = frozenset()) -> bool:
+    """An axis has a title, or is drawn without tick labels against an axis it matches that has one."""
+    axis = layout[key]
+    if axis.visible is False or (axis.title is not None and axis.title.text):
+        return True
+    if axis.matches and axis.showticklabels is False and key not in seen:
+        return _has_title(layout, _axis_key(axis.matches), seen | {key})
+    return False
+
+
+def _style_key(trace: Any) -> tuple[Any, ...] | None:
+    """What tells a line, marker or bar trace apart from another drawn on the same axes."""
+    if trace.type not in ("scatter", "scattergl", "bar"):
+        return None
+    line, marker = getattr(trace, "line", None), trace.marker
+    color = (line.color if line is not None and line.color else None) or (marker.color if marker else None)
+    if color is None or getattr(trace, "fillcolor", None) or getattr(trace, "stackgroup", None):
+        return None  # plotly's colorway picks a fresh colour; a filled area shows its fill
+    color = tuple(np.asarray(color).ravel()) if not isinstance(color, str) else color
+    dash = line.dash if line is not None else None
+    symbol = marker.symbol if marker is not None and "markers" in (getattr(trace, "mode", None) or "") else None
+    return trace.type, color, dash or "solid", symbol
+
+
+def figure_problems(fig: go.Figure) -> list[str]:
+    """What in `fig` breaks the lab's figure rules, one sentence each (an empty list: none).
+
+    - two legend entries with the same name, or two traces on the same axes with the same colour, dash and marker;
+    - an axis that shows data (every xaxis*/yaxis* a trace uses) without a title, unless it is hidden or shares
+      the title of an axis it matches;
+    - a printed number with more than MAX_DIGITS significant digits: trace text (after its texttemplate), hover
+      fields printed without a format, trace names, annotations (subplot titles too), the title, axis titles.
+      Integers are exact counts (tokens, bytes) and pass.
+    """
+    problems: list[str] = []
+    layout = fig.layout
+    legend_names: dict[str, int] = {}
+    styles: dict[tuple[Any, ...], int] = {}
+    used_axes: set[str] = set()
+    for i, tr in enumerate(fig.data):
+        who = f"trace {i} ({tr.name or tr.type})"
+        if hasattr(tr, "xaxis") and tr.type not in ("pie", "table"):
+            used_axes.update({_axis_key(tr.xaxis or "x"), _axis_key(tr.yaxis or "y")})
+        in_legend = tr.showlegend is not False and tr.type not in ("heatmap", "contour", "table")
+        if in_legend and tr.name:
+            if tr.name in legend_names:
+                problems.append(f"{who} repeats the legend name of trace {legend_names[tr.name]}")
+            legend_names.setdefault(tr.name, i)
+        key = _style_key(tr)
+        if key is not None:
+            key = (tr.xaxis, tr.yaxis, *key)
+            if key in styles:
+                problems.append(f"{who} has the colour, dash and marker of trace {styles[key]} on the same axes")
+            styles.setdefault(key, i)
+        problems += _text_problems(f"{who} name", [tr.name])
+        text = getattr(tr, "text", None)
+        template = getattr(tr, "texttemplate", None)
+        if text is not None and (template is None or "%{text}" in template):
+            problems += _text_problems(f"{who} text", _values(text))
+        for template_name in ("texttemplate", "hovertemplate"):
+            tpl = getattr(tr, template_name, None)
+            for field in set(_FIELD.findall(str(tpl or ""))) - {"text"}:
+                problems += _text_problems(f"{who} {template_name} %{{{field}}}", _values(getattr(tr, field)))
+        colorbar = getattr(tr, "colorbar", None)
+        if colorbar is not None and colorbar.ticktext is not None:
+            problems += _text_problems(f"{who} colorbar ticks", colorbar.ticktext)
+    for key in sorted(used_axes):
+        if key in layout and not _has_title(layout, key):
+            problems.append(f"{key} shows data but has no title")
+    problems += _text_problems("the title", [layout.title.text])
+    problems += _text_problems("an annotation", [a.text for a in layout.annotations])
+    for key in sorted(used_axes):
+        if key in layout and layout[key].title is not None:
+            problems += _text_problems(f"{key} title", [layout[key].title.text])
+    return problems

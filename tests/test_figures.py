@@ -1,0 +1,248 @@
+"""Every figure builder in gmlx_lab.viz follows the lab's figure rules (`viz.figure_problems`), and the checker
+itself catches what it is meant to catch.
+
+The walker finds every public callable in every gmlx_lab.viz submodule whose return annotation is a plotly
+Figure. Each needs an entry in EXAMPLES: its name -> a function returning a list of example figures (one per
+interesting input). A builder added without an example fails `test_every_builder_has_an_example`.
+
+To add one: write `"my_figure": lambda: [viz.my_figure(...)],` below, with inputs as small as possible (random
+data from `random_kv`, specimen policies, the committed files in benchmarks/results/ through `RESULT`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import pkgutil
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+from conftest import random_kv
+
+import gmlx_lab
+from gmlx_lab import viz
+from gmlx_lab.models import specimen
+
+RESULT = viz.benchmark_results
+
+
+def _k() -> np.ndarray:
+    k, _ = random_kv(256, heads=1)
+    return np.array(k[0, 0])
+
+
+def _record(kind: str = "k") -> gmlx_lab.records.Records:
+    return viz.record_of(_k()[128:], 4, kind)
+
+
+def _fidelity_dict() -> dict:
+    decode = [1e-3, 2e-3, 1e-3, 3e-3]
+    return {"model": "toy", "schemes": [
+        {"label": "kvarn4 tail=0", "prefill_kl": [0.0, 0.0, 1e-4, 2e-4, 3e-4, 2e-4], "decode_kl": decode},
+        {"label": "kvarn4 tail=128", "prefill_kl": [0.0, 0.0, 0.0, 1e-4, 2e-4, 2e-4], "decode_kl": decode},
+        {"label": "kvarn4 tail=1024", "prefill_kl": [0.0] * 6, "decode_kl": [0.0] * 4}]}
+
+
+def _beyond(section: str) -> dict:
+    runs = RESULT("beyond-kl-teaching-llama.json")["beyond-kl-teaching-llama.json"]["sections"]
+    return runs[section]["drafts"][0]["result"] if section == "draft" else runs[section]["result"]
+
+
+def _policies() -> list:
+    return [gmlx_lab.policy(specimen(f), "kvarn") for f in ("llama", "gemma3", "deepseek_v3")]
+
+
+def _shapes() -> dict:
+    return {"attention": viz.LayerShape("attention", 1, 128, 128),
+            "sliding window 128": viz.LayerShape("sliding-window", 1, 128, 128, window=128),
+            "recurrent": viz.LayerShape("recurrent", 0, 0, 0, fixed_bytes=300_000)}
+
+
+def _toy_normalize() -> go.Figure:
+    tile = np.random.default_rng(0).normal(0, 1, (8, 8)) * np.array([1, 1, 6, 1, 1, 1, 1, 1])[:, None]
+    scaled, score = viz.normalize_rounds(tile, 2)[2]
+    return viz.normalize_toy_figure(tile, scaled, 2, score)
+
+
+def _errors() -> list[dict]:
+    return [{"method": f"affine g{g} {kv}", "bits": b, "error": 0.51999998 / b / g}
+            for g in (32, 64, 128) for kv in "KV" for b in (2, 4, 8)]
+
+
+EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
+    "affine_row_figure": lambda: [viz.affine_row_figure(viz.affine_row(_k()[0]))],
+    "group_error_figure": lambda: [viz.group_error_figure(viz.affine_row(viz.outlier_row(12.0), 4, 32))],
+    "error_figure": lambda: [viz.error_figure(_errors())],
+    "channel_figure": lambda: [viz.channel_figure(_k())],
+    "butterfly_figure": lambda: [viz.butterfly_figure(viz.butterfly_stages(np.eye(8)[2] * 8 + 0.1), s)
+                                 for s in range(4)],
+    "record_figure": lambda: [viz.record_figure(_record("k")), viz.record_figure(_record("v"))],
+    "imbalance_figure": lambda: [viz.imbalance_figure(*viz.normalize_history(viz.hadamard(_k()[128:]).T))],
+    "normalize_toy_figure": lambda: [_toy_normalize()],
+    "code_histogram": lambda: [viz.code_histogram(_record())],
+    "regions_bar": lambda: [viz.regions_bar(1500, 1024), viz.regions_bar(900, 0, max_context=2048)],
+    "regions_stream": lambda: [viz.regions_stream(2048, 128)],
+    "window_stream": lambda: [viz.window_stream(3072, 128, 768)],
+    "sink_mass_figure": lambda: [viz.sink_mass_figure(np.random.default_rng(0).random((4, 3)).astype(np.float32),
+                                                      even=viz.even_share(384, 128))],
+    "sink_layers_figure": lambda: [viz.sink_layers_figure(np.random.default_rng(0).random((18, 4)),
+                                                          even=viz.even_share(384, 1)),
+                                   viz.sink_layers_figure(np.random.default_rng(0).random((3, 4)), layers=[5, 11, 17])],
+    "policy_strip": lambda: [viz.policy_strip(_policies())],
+    "kl_strip": lambda: [viz.kl_strip(np.random.default_rng(0).random(8))],
+    "position_kl_figure": lambda: [viz.position_kl_figure(_fidelity_dict())],
+    "kernel_times_figure": lambda: [viz.kernel_times_figure(data)
+                                    for data in RESULT("decode_attention-*.json").values()],
+    "bars_figure": lambda: [viz.bars_figure([{"family": f, "scheme": s, "saved %": v, "note": n}
+                                             for f in ("llama", "deepseek_v3")
+                                             for s, v, n in (("affine8", 46.9, ""), ("kvarn6", 0.0, "declined: MLA"),
+                                                             ("kvarn4", 12.5, ""))],
+                                            x="family", y="saved %", color="scheme", title="t", text="note")],
+    "growth_figure": lambda: [viz.growth_figure({"llama": ([0, 128], [0.0, 2.0**20]),
+                                                 "gemma3": ([0, 128], [0.0, 2.0**19])})],
+    "layer_kind_figure": lambda: [viz.layer_kind_figure(_shapes(), [0, 64, 128, 256, 512])],
+    "passkey_heatmaps": lambda: [viz.passkey_heatmaps(_beyond("passkey"))],
+    "draft_figure": lambda: [viz.draft_figure(_beyond("draft"))],
+    "weights_kv_figure": lambda: [viz.weights_kv_figure(_beyond("weights_kv"))],
+    "weights_kv_positions": lambda: [viz.weights_kv_positions(_beyond("weights_kv"), "8-bit")],
+}
+
+
+def figure_builders() -> dict[str, Callable]:
+    """Every public function of every gmlx_lab.viz submodule annotated to return a plotly Figure."""
+    found = {}
+    for info in pkgutil.iter_modules(viz.__path__):
+        module = importlib.import_module(f"gmlx_lab.viz.{info.name}")
+        for name, obj in vars(module).items():
+            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module.__name__:
+                continue
+            returns = inspect.signature(obj).return_annotation
+            if returns is go.Figure or str(returns) in ("go.Figure", "Figure", "plotly.graph_objects.Figure"):
+                found[name] = obj
+    return found
+
+
+def test_the_walker_finds_the_builders() -> None:
+    found = figure_builders()
+    assert {"error_figure", "channel_figure", "sink_mass_figure", "passkey_heatmaps"} <= set(found)
+    assert "figure_problems" not in found and "num" not in found  # not builders
+
+
+def test_every_builder_has_an_example() -> None:
+    missing = sorted(set(figure_builders()) - set(EXAMPLES))
+    assert not missing, f"add an example to EXAMPLES in tests/test_figures.py for: {missing}"
+    stale = sorted(set(EXAMPLES) - set(figure_builders()))
+    assert not stale, f"EXAMPLES names builders that no longer exist: {stale}"
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_builder_follows_the_figure_rules(name: str) -> None:
+    figures = EXAMPLES[name]()
+    assert figures, f"{name}: the example built no figure"
+    for fig in figures:
+        assert isinstance(fig, go.Figure)
+        json.loads(fig.to_json())
+        assert viz.figure_problems(fig) == [], name
+
+
+# -- the checker catches what it should --------------------------------------------------------------------
+
+
+def test_checker_flags_twins_missing_titles_and_long_numbers() -> None:
+    fig = go.Figure()
+    fig.add_scatter(x=[1, 2], y=[1, 2], name="affine", line={"color": "#1f77b4"})
+    fig.add_scatter(x=[1, 2], y=[2, 3], name="affine", line={"color": "#1f77b4"})
+    fig.add_heatmap(z=[[0.5199999809265137]], text=[[0.5199999809265137]], texttemplate="%{text}", xaxis="x2",
+                    yaxis="y2")
+    fig.update_layout(xaxis_title="bits", title="error 0.123456", xaxis2={"title": {"text": "head"}},
+                      yaxis2={"title": {"text": "layer"}})
+    found = "\n".join(viz.figure_problems(fig))
+    assert "repeats the legend name" in found
+    assert "colour, dash and marker" in found
+    assert "yaxis shows data but has no title" in found
+    assert "0.5199999809265137" in found and "0.123456" in found
+    assert "xaxis shows" not in found and "xaxis2" not in found
+
+
+def test_checker_reads_unformatted_hover_fields_and_passes_formatted_ones() -> None:
+    fig = go.Figure(go.Scatter(x=[0, 1], y=np.array([0.1, 0.3], np.float32), hovertemplate="%{y}"))
+    fig.update_layout(xaxis_title="x", yaxis_title="y")
+    assert any("hovertemplate %{y}" in p for p in viz.figure_problems(fig))
+    fig.data[0].hovertemplate = "%{y:.3g}"
+    assert viz.figure_problems(fig) == []
+
+
+def test_checker_passes_integers_and_short_decimals() -> None:
+    fig = go.Figure(go.Bar(x=["a"], y=[1], text=["131072 tokens, 0.52, 1.5e-05"], name="one"))
+    fig.update_layout(xaxis_title="x", yaxis_title="y", title="context 32768: ratio 1.235")
+    assert viz.figure_problems(fig) == []
+
+
+def test_error_figure_tells_group_sizes_and_k_from_v_apart() -> None:
+    fig = viz.error_figure(_errors())
+    styles = {(t.line.color, t.line.dash, t.marker.symbol) for t in fig.data}
+    assert len(styles) == len(fig.data) == 6
+    k32, v32 = (next(t for t in fig.data if t.name == f"affine g32 {kv}") for kv in "KV")
+    assert k32.line.color == v32.line.color and (k32.line.dash, v32.line.dash) == ("solid", "dash")
+    assert viz.scheme_colors()["affine"] in {t.line.color for t in fig.data}  # the middle shade is the scheme's
+
+
+def test_trace_styles_shades_variants_of_the_registry_colour() -> None:
+    styles = viz.trace_styles(["kvarn4 tail=0", "kvarn4 tail=128", "fp16", "llama", "gemma3"])
+    assert styles["fp16"]["color"] == gmlx_lab.registry.SCHEMES["fp16"].color
+    assert styles["kvarn4 tail=0"]["color"] != styles["kvarn4 tail=128"]["color"]
+    assert len({styles[n]["color"] for n in ("llama", "gemma3", "fp16")}) == 3
+
+
+def test_channel_figure_shares_the_y_axis() -> None:
+    fig = viz.channel_figure(_k())
+    assert fig.layout.yaxis.range == fig.layout.yaxis2.range
+
+
+def test_butterfly_stages_end_at_the_hadamard_transform() -> None:
+    x = np.random.default_rng(1).normal(size=8)
+    stages = viz.butterfly_stages(x)
+    assert len(stages) == 4
+    np.testing.assert_allclose(stages[-1], viz.hadamard(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        viz.butterfly_stages(np.ones(6))
+    with pytest.raises(ValueError, match="out of range"):
+        viz.butterfly_figure(stages, 4)
+
+
+def test_normalize_rounds_balance_a_tile() -> None:
+    tile = np.random.default_rng(0).normal(0, 1, (8, 8)) * np.array([1, 1, 8, 1, 1, 1, 1, 1])[:, None]
+    rounds = viz.normalize_rounds(tile, 3)
+    assert rounds[0][1] > 2 * rounds[1][1] > 2 * 2
+    np.testing.assert_allclose(rounds[0][0], tile, rtol=1e-6)
+    _, _, _, after = gmlx_lab.records.normalize(mx.array(tile.astype(np.float32)), 3)
+    assert rounds[3][1] == pytest.approx(after.item(), rel=1e-5)
+
+
+def test_even_share_matches_a_uniform_attention() -> None:
+    context, sink = 384, 128
+    probs = np.tril(np.ones((context, context)))
+    probs /= probs.sum(-1, keepdims=True)
+    assert viz.even_share(context, sink) == pytest.approx(probs[sink:, :sink].sum(-1).mean())
+    assert viz.even_share(384, 1) < 0.02  # token 0 alone: about ln(384) / 383
+    with pytest.raises(ValueError, match="after < context"):
+        viz.even_share(100, 128)
+
+
+def test_imbalance_figure_stops_once_converged() -> None:
+    history = [40.0, 2.5, 2.2, 2.2, 2.2, 2.2, 2.2]
+    fig = viz.imbalance_figure(history, best=6)
+    assert len(fig.data[0].x) == 7  # the kept round is the last, so all are drawn
+    fig = viz.imbalance_figure(history, best=2)
+    assert list(fig.data[0].x) == [0, 1, 2] and "not drawn" in fig.layout.title.text
+
+
+def test_policy_strip_rows_are_distinct() -> None:
+    model = specimen("llama")
+    fig = viz.policy_strip([gmlx_lab.policy(model, "kvarn"), gmlx_lab.policy(model, "affine")])
+    names = list(fig.data[0].y)
+    assert len(set(names)) == 2 and "kvarn" in names[0] and "affine" in names[1]
