@@ -47,6 +47,7 @@ from .sources import (
     dense_bytes_per_token,
     family_curves,
 )
+from .tradeoff import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
 
 __all__ = [
     "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "REAL_DENSE_CONFIGS", "REGION_COLORS", "AffineRow", "LayerShape",
@@ -57,6 +58,7 @@ __all__ = [
     "record_figure", "record_of", "regions_bar", "regions_stream", "scheme_color", "scheme_colors",
     "sink_mass_figure", "source", "table_html", "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
+__all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 
 def _offline_export_renderer() -> None:
