@@ -78,7 +78,9 @@ def size_curves(model: Any, specs: Iterable[SchemeLike], contexts: Sequence[int]
 def crossover(model: Any, spec: SchemeLike, other: SchemeLike, max_context: int = 65536) -> int | None:
     """The first context from which `spec`'s cache stays smaller than `other`'s up to `max_context` tokens, or
     None if it is not smaller there. Exact to the token: kvarn's size drops at every sealed record, so the sizes
-    are compared at every context (only the layers whose storage differs between the two are summed)."""
+    are compared at every context (only the layers whose storage differs between the two are summed). Sizes are
+    the byte formulas': the cache right after its latest token arrived, token by token (kvarn seals a group one
+    token after it leaves the tail)."""
     if max_context < 1:
         raise ValueError(f"max_context must be >= 1, got {max_context}")
     (_, a), (_, b) = spec_policy(model, spec), spec_policy(model, other)
