@@ -91,6 +91,7 @@ def test_app_streams_every_column_and_enables_only_the_controls_that_apply(bundl
     assert "nothing quantized yet" in kvarn_box and "sink 128" in kvarn_box  # tail 1024 covers 170 tokens
     assert "title='token 0: KL" in kvarn_box and len(app.strip.data) >= 2  # shaded tokens, the equal-memory strip
     assert not (app.tail.disabled or app.v_bits.disabled or app.k_bits.disabled)
+    assert "cache: 170 tokens, all fp16" in app.columns.children[0].value
     app.schemes["kvarn"].value = False  # only affine schemes left: one width, no tail
     assert app.tail.disabled and app.v_bits.disabled and not app.k_bits.disabled
     assert "fp16 tail: no chosen scheme" in app.applies.value

@@ -48,7 +48,7 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
 
     Down and to the left is better; a point to the right of another family's line costs more memory for that
     family's fidelity. Points with KL exactly 0 other than fp16 (nothing quantized) cannot sit on a log axis:
-    they are listed in the title.
+    they are listed in the title. K and V at different widths (kvarn k8v4) are left out: see the run's table.
     """
     if not points:
         raise ValueError("tradeoff_figure needs at least one TradeoffPoint (from gmlx_lab.tradeoff.tradeoff_points)")
@@ -58,19 +58,20 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
                          "filter the points first")
     model, context = models.pop()
     fig = go.Figure()
-    fig.update_layout(**LAYOUT, height=height, yaxis_type="log",
+    fig.update_layout(**LAYOUT, height=height, yaxis={"type": "log", "dtick": 1, "exponentformat": "e"},
                       xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
                       legend_title_text="scheme (width in bits)")
     fp16 = [p for p in points if p.scheme == BASELINE]
     zero = [p.label for p in points if p.scheme != BASELINE and p.kl <= 0]
-    rest = [p for p in points if p.scheme != BASELINE and p.kl > 0]
+    rest = [p for p in points if p.scheme != BASELINE and p.kl > 0 and p.bits == p.v_bits]
     families = list(dict.fromkeys(p.family for p in rest))
     dash = _dashes(families, {p.family: p.scheme for p in rest})
-    for fam in families:
+    for i, fam in enumerate(families):
         pts = sorted((p for p in rest if p.family == fam), key=lambda p: p.bytes_per_token)
         fig.add_scatter(
             x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts], name=fam, mode="lines+markers+text",
-            text=[f"{p.bits}" for p in pts], textposition="top center", marker={"size": 8},
+            text=[f"{p.bits}" for p in pts], textposition="bottom center" if i % 2 else "top center",
+            marker={"size": 8},
             line={"color": scheme_color(fam), "dash": dash[fam]}, customdata=[p.label for p in pts],
             hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
     ref = fp16[0].bytes_per_token if fp16 else points[0].fp16_bytes_per_token
@@ -86,15 +87,17 @@ def size_figure(curves: dict[str, Sequence[float]], contexts: Sequence[int],
                 height: int = 380) -> go.Figure:
     """Cache KiB per token against context (log x), one line per scheme label ({label: bytes per token at each
     context}, as `gmlx_lab.tradeoff.size_curves` returns); `crossings` marks named contexts ({text: tokens})
-    with vertical lines, e.g. where kvarn becomes smaller than affine."""
+    with vertical lines, e.g. where kvarn becomes smaller than affine (labelled 35.7K above 9999 tokens)."""
     if not curves:
         raise ValueError("size_figure needs at least one curve: {label: [bytes per token, ...]}")
     for label, ys in curves.items():
         if len(ys) != len(contexts):
             raise ValueError(f"curve {label!r} has {len(ys)} values for {len(contexts)} contexts")
     fig = go.Figure()
-    fig.update_layout(**LAYOUT, height=height, title=title, xaxis_type="log", xaxis_title="context (tokens)",
-                      yaxis_title="cache per token of context (KiB)", yaxis_rangemode="tozero")
+    span = [math.log10(min(contexts)), math.log10(max(contexts))]
+    fig.update_layout(**LAYOUT, height=height, title=title, xaxis={"type": "log", "dtick": 1, "range": span},
+                      xaxis_title="context (tokens)", yaxis_title="cache per token of context (KiB)",
+                      yaxis_rangemode="tozero")
     dash = _dashes(list(curves), {label: label.split()[0].rstrip("0123456789") for label in curves})
     for label, ys in curves.items():
         fig.add_scatter(x=list(contexts), y=np.asarray(ys, float) / 1024, name=label, mode="lines",
@@ -102,9 +105,10 @@ def size_figure(curves: dict[str, Sequence[float]], contexts: Sequence[int],
                         hovertemplate="%{x} tokens: %{y:.3g} KiB/token<extra>" + html.escape(label) + "</extra>")
     for i, (text, at) in enumerate((crossings or {}).items()):
         if at is not None:
-            fig.add_vline(x=at, line_dash="dash", line_color="#555555", line_width=1,
-                          annotation_text=f"{text}: {at} tokens", annotation_position="top right",
-                          annotation_y=1 - 0.09 * i, annotation_yref="paper")
+            fig.add_vline(x=at, line_dash="dash", line_color="#555555", line_width=1)
+            tokens = f"{at}" if at < 10000 else f"{at / 1000:.1f}K"  # 4 significant digits at most
+            fig.add_annotation(x=math.log10(at), y=1 - 0.1 * i, yref="paper", text=f"{text}: {tokens} tokens",
+                               showarrow=False, xanchor="left", bgcolor="rgba(255,255,255,0.8)")  # log axis: log10
     return fig
 
 
@@ -118,7 +122,7 @@ def published_vs_ours_figure(published: Sequence[dict[str, Any]], ours: Sequence
         raise ValueError("published_vs_ours_figure needs published rows and our points")
     schemes = [k for k in published[0] if k != "bits"]
     model = ours[0].model
-    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.06,
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.1,
                         subplot_titles=(published_title, ours_title or f"ours: {model}, {ours[0].context} tokens"))
     for s in schemes:
         rows = sorted(published, key=lambda r: r["bits"])
@@ -133,8 +137,8 @@ def published_vs_ours_figure(published: Sequence[dict[str, Any]], ours: Sequence
         fig.add_scatter(x=[p.bits for p in pts], y=[p.kl for p in pts], name=f"{fam} (ours)", mode="lines+markers",
                         line={"color": scheme_color(fam), "dash": order[fam]}, row=1, col=2,
                         hovertemplate=f"{html.escape(fam)} %{{x}}-bit: KL %{{y:.2e}} nats<extra>ours</extra>")
-    fig.update_yaxes(type="log", title_text="decode median KL vs fp16 (nats)", row=1, col=1)
-    fig.update_yaxes(type="log", title_text="decode median KL vs fp16 (nats)", showticklabels=True, row=1, col=2)
+    fig.update_yaxes(type="log", dtick=1, exponentformat="e", title_text="decode median KL vs fp16 (nats)")
+    fig.update_yaxes(showticklabels=True, row=1, col=2)
     fig.update_xaxes(title_text="code width (bits)", dtick=1)
     fig.update_layout(**LAYOUT, height=height, title="decode median KL per width: gmlx's model and ours")
     return fig
@@ -153,7 +157,8 @@ def kl_legend_html() -> str:
     """A colour bar for `kl_color`: the fixed log scale with a tick per decade, in nats."""
     lo, hi = (round(math.log10(v)) for v in KL_SCALE)
     cells = "".join(
-        f"<span style='display:inline-block;width:56px;padding:1px 0;text-align:center;background:"
-        f"{kl_color(10.0 ** e)};color:{'#fff' if e >= hi - 1 else '#000'}'>1e{e}</span>" for e in range(lo, hi + 1))
-    return (f"<div style='font-size:12px'>token shade = KL(fp16 || scheme) of its next-token distribution, nats "
-            f"(fixed log scale, the same in every column; below 1e{lo}: unshaded) {cells}</div>")
+        f"<span style='display:inline-block;width:48px;text-align:center;background:{kl_color(10.0 ** e)};"
+        f"color:{'#fff' if e >= hi - 1 else '#000'}'>1e{e}</span>" for e in range(lo, hi + 1))
+    return (f"<div style='font-size:12px;line-height:1.4'><b>token shade</b>: KL(fp16 ‖ scheme) in nats {cells}"
+            f"<br><span style='color:#666'>one fixed log scale for every column; below 1e{lo}: unshaded; hover a "
+            "token for its value; the first token that differs from fp16's text is outlined in red</span></div>")

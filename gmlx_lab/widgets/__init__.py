@@ -143,8 +143,12 @@ def _column_html(col: LiveColumn, reference: LiveColumn) -> str:
 def _holds_html(col: LiveColumn) -> str:
     """What the column's cache holds: tokens per region of a quantized layer, and which layers are quantized."""
     regions = col.holdings()
-    parts = " · ".join(f"{name} {n}" for name, n in regions.items())
-    line = f"{parts} <span style='color:#666'>({col.quantized_layers} layers quantized)</span>"
+    if len(regions) == 1:
+        (name, n), = regions.items()
+        line = f"cache: {n} tokens, all {'fp16' if name == 'fp16' else name}"
+    else:
+        line = f"cache: {col.context} tokens = " + " + ".join(f"{name} {n}" for name, n in regions.items())
+    line += f" <span style='color:#666'>({col.quantized_layers} layers quantized)</span>"
     if not col.reference and quantized_tokens(regions) == 0:
         line += ("<br><b style='color:#b35900'>nothing quantized yet: the fp16 sink and tail cover the whole "
                  f"{col.context}-token context, so this cache is fp16</b>")
@@ -178,8 +182,8 @@ class CompareApp:
                                   layout={"width": "220px"})
         self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=512, description="new tokens",
                                            layout={"width": "200px"})
-        self.schemes = {n: W.ToggleButton(value=True, description=n, tooltip=get_scheme(n).summary,
-                                          layout={"width": "auto"}) for n in names}
+        self.schemes = {n: W.Checkbox(value=True, description=n, indent=False, tooltip=get_scheme(n).summary,
+                                      layout={"width": "auto", "margin": "0 16px 0 0"}) for n in names}
         self.k_bits = W.Dropdown(options=[2, 3, 4, 5, 6, 8], value=bits, description="K bits",
                                  layout={"width": "160px"})
         self.v_bits = W.Dropdown(options=[2, 3, 4, 5, 6, 8], value=bits, description="V bits",
@@ -246,6 +250,8 @@ class CompareApp:
         self.live = LiveCompare(self.model, self.tokenizer, ids, specs, max_tokens=self.max_tokens.value)
         boxes = [W.HTML(layout={"flex": "1 1 0", "min_width": "0", "padding": "0 6px",
                                 "border_left": "3px solid " + scheme_color(c.label)}) for c in self.live.columns]
+        for box in boxes:
+            box.add_class("gmlx-column")  # for the browser test
         self.columns.children = boxes
         self.run.disabled, self.run.description, self.run.icon = True, "Generating…", "spinner"
         self.progress.max, self.progress.value = self.live.max_tokens, 0
@@ -268,26 +274,28 @@ class CompareApp:
         ref = self.live.columns[0]
         for box, col in zip(boxes, self.live.columns):
             kl = f"mean KL {np.mean(col.kl):.1e} nats" if col.kl and not col.reference else "the reference"
-            box.value = (f"<div style='font-family:sans-serif'><b style='color:{scheme_color(col.label)}'>"
-                         f"{html.escape(col.label)}</b> <small>({len(col.tokens)} tokens, {kl})</small><br>"
-                         f"<small>{_holds_html(col)}</small>"
+            box.value = (f"<div style='font-family:sans-serif;line-height:1.35'><b style='color:"
+                         f"{scheme_color(col.label)}'>{html.escape(col.label)}</b> <small>({len(col.tokens)} tokens, "
+                         f"{kl})</small><div style='font-size:11px;margin-top:2px'>{_holds_html(col)}</div>"
                          f"<div style='font-family:monospace;font-size:12px;line-height:1.5;margin-top:4px'>"
                          f"{_column_html(col, ref)}</div></div>")
 
     def _draw_stats(self) -> None:
         points = self.live.points()
-        rows = [("scheme", "cache", "% of fp16", "KiB / token", "median KL (nats)", "tokens/s")]
+        head = ("scheme", "cache", "% of fp16", "KiB / token", "median KL (nats)", "tokens/s")
+        rows = []
         for c, p in zip(self.live.columns, points):
             rows.append((c.label, figures.bytes_label(p.bytes_per_token * p.context), f"{100 * p.share_of_fp16:.0f}%",
                          f"{p.bytes_per_token / 1024:.2f}", "0 (reference)" if c.reference else f"{p.kl:.1e}",
                          f"{c.tokens_per_s:.1f}"))
         cell = "<td style='padding:0 12px'>{}</td>"
-        self.stats.value = ("<table>" + "".join("<tr>" + "".join(cell.format(html.escape(str(x))) for x in r)
-                                                + "</tr>" for r in rows) + "</table>"
+        self.stats.value = ("<table><tr>" + "".join(f"<th style='padding:0 12px'>{h}</th>" for h in head) + "</tr>"
+                            + "".join("<tr>" + "".join(cell.format(html.escape(str(x))) for x in r) + "</tr>"
+                                      for r in rows) + "</table>"
                             "<small>cache: resident bytes of the whole cache at the end (growth reserve excluded); "
                             "tokens/s: this column's decode speed while all columns ran in turn</small>")
         fresh = tradeoff_viz.tradeoff_figure(points, height=300, title=(
-            f"equal memory: median KL per generated token against cache per token, at {points[0].context} tokens"))
+            f"equal memory at {points[0].context} tokens: KL against cache size"))
         with self.strip.batch_update():
             self.strip.data = []
             for trace in fresh.data:
@@ -295,11 +303,14 @@ class CompareApp:
             self.strip.layout = fresh.layout
 
     def widget(self) -> W.Widget:
-        return W.VBox([self.prompt, W.HBox([self.context, self.max_tokens]),
-                       W.HBox([W.Label("schemes beside fp16:"), *self.schemes.values()]),
-                       W.HBox([self.k_bits, self.v_bits, self.tail]), self.applies,
-                       W.HBox([self.run, self.progress]), self.status, self.legend, self.columns, self.stats,
-                       self.strip])
+        box = W.VBox([self.prompt, W.HBox([self.context, self.max_tokens]),
+                      W.HBox([W.Label("schemes beside fp16:", layout={"margin": "0 12px 0 0"}),
+                              *self.schemes.values()]),
+                      W.HBox([self.k_bits, self.v_bits, self.tail]), self.applies,
+                      W.HBox([self.run, self.progress]), self.status, self.legend, self.columns, self.stats,
+                      self.strip])
+        box.add_class("gmlx-compare")
+        return box
 
     def _ipython_display_(self) -> None:
         display(self.widget())
