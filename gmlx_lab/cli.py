@@ -267,10 +267,10 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
 
 def cmd_weights_kv(args: argparse.Namespace) -> int:
-    from .experiments import weights_and_kv
+    from .experiments import parse_weight_bits, weights_and_kv
 
     specs = scheme_list(args.schemes)
-    bits = [None if b.strip() == "fp16" else int(b) for b in args.weight_bits.split(",") if b.strip()]
+    bits = parse_weight_bits(args.weight_bits)
     model, tokenizer = load_model(args.model)
     tokens = encode(tokenizer, model, _read_text(args.text_file))
     result = weights_and_kv(model, tokens, bits, specs, prefill=args.prefill, decode=args.decode,

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from .fidelity import SchemeLike, parse_scheme_spec
 from .metrics import kl_from_logprobs
 from .policy import Policy, PromptCache, model_name, policy
-from .records import region_tokens
+from .registry import BASELINE, get_scheme
 
 __all__ = [
     "PASSKEY_FORMAT", "DraftResult", "DraftRun", "PasskeyFormat", "PasskeyPrompt", "PasskeyResult", "PasskeyTrial",
@@ -69,7 +69,7 @@ def stored_prefix(reference: PromptCache, chosen: Policy) -> PromptCache:
     """`chosen`'s caches holding the K/V that an fp16 `reference` cache holds, sealed.
 
     Each layer the policy quantizes receives the reference's K/V as ONE update and is then sealed
-    (`PromptCache.seal`); every other entry is an independent copy of the reference's. For kvarn this is
+    (`PromptCache.settle`); every other entry is an independent copy of the reference's. For kvarn this is
     exactly what a one-chunk prefill through its own cache stores (that chunk attends in fp16; records are
     sealed when the next tokens arrive). Affine would also have attended to its own codes during the
     prefill, so deeper layers' K/V would carry that error too; here every scheme stores the same K/V, and
@@ -77,12 +77,12 @@ def stored_prefix(reference: PromptCache, chosen: Policy) -> PromptCache:
     """
     out = chosen.make_cache()
     for i, (ref, decision) in enumerate(zip(reference, chosen.layers)):
-        if decision.decision == "fp16":
+        if decision.decision == BASELINE:
             out[i] = copy.deepcopy(ref)
         else:
             keys, values = ref.state[:2]
             out[i].update_and_fetch(keys, values)
-    out.seal()
+    out.settle()
     return out
 
 
@@ -198,12 +198,9 @@ class PasskeyTrial:
 def needle_storage(chosen: Policy, prompt: PasskeyPrompt) -> str:
     """Where the scheme holds the needle's K/V when the question attends to them (in a quantized layer)."""
     if not chosen.quantized:
-        return "fp16"
-    if chosen.scheme != "kvarn":
-        return "quantized"
-    regions = region_tokens(prompt.length, chosen.options["kv_tail_tokens"], newest=len(prompt.question))
-    ends = np.cumsum([regions[r] for r in ("sink", "body", "live", "tail")])
-    return ("sink", "records", "live", "tail")[int(np.searchsorted(ends, prompt.key_start, side="right"))]
+        return BASELINE
+    scheme = get_scheme(chosen.scheme)
+    return scheme.token_region(prompt.key_start, prompt.length, len(prompt.question), chosen.options)
 
 
 def sliding_window(model: nn.Module) -> int | None:
@@ -340,7 +337,7 @@ def passkey(
             else:
                 cache = chosen.make_cache()
                 prefill(model, prompt.context, cache, prefill_step)
-                cache.seal()
+                cache.settle()
             answer = tokenizer.decode(greedy_tokens(model, prompt.question, cache, digits + 2))
             found = re.search(r"\d+", answer)
             result.trials.append(PasskeyTrial(chosen.label, n, d, prompt.length, prompt.distance, prompt.key,
@@ -523,6 +520,9 @@ def draft_acceptance(
 # -- 3. KV on quantized weights ---------------------------------------------------------------------
 
 
+WEIGHT_BITS = (2, 3, 4, 5, 6, 8)  # the widths mx.quantize takes
+
+
 def quantize_weights(model: nn.Module, bits: int, group_size: int = 64, simulate: bool = True) -> nn.Module:
     """A copy of `model` whose Linear and Embedding weights are quantized as `nn.quantize` does.
 
@@ -532,6 +532,8 @@ def quantize_weights(model: nn.Module, bits: int, group_size: int = 64, simulate
     `simulate=False` calls `nn.quantize` itself (QuantizedLinear / QuantizedEmbedding modules).
     The original model is left unchanged.
     """
+    if bits not in WEIGHT_BITS:
+        raise ValueError(f"weight bits={bits!r} is not accepted; accepted: {', '.join(map(str, WEIGHT_BITS))}")
     out = copy.deepcopy(model)
     if not simulate:
         nn.quantize(out, group_size=group_size, bits=bits)
@@ -562,6 +564,30 @@ def decode_logprobs(model: nn.Module, tokens: Sequence[int], cache: PromptCache 
     return mx.stack(rows)
 
 
+FULL_WEIGHTS = "fp16"  # the model's own weights, unquantized (float32 compute on the CPU)
+
+
+def weights_label(bits: int | None) -> str:
+    """A weight width's name in results and figures: "fp16" for the model's own weights, else "4-bit"."""
+    return FULL_WEIGHTS if bits is None else f"{bits}-bit"
+
+
+def parse_weight_bits(text: str) -> list[int | None]:
+    """"fp16,8,4" -> [None, 8, 4]: the weight widths a command line asks for (None: the model's own weights)."""
+    out: list[int | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if item == FULL_WEIGHTS:
+            out.append(None)
+        elif item.isdigit() and int(item) in WEIGHT_BITS:
+            out.append(int(item))
+        else:
+            raise ValueError(f"weight width {item!r} is not accepted; accepted: {FULL_WEIGHTS} or one of "
+                             f"{', '.join(map(str, WEIGHT_BITS))} bits")
+    return out
+
+
 @dataclass
 class WeightsKVResult:
     """Decode KL of every (weight width, KV scheme) pair against fp16 weights with an fp16 cache."""
@@ -590,8 +616,10 @@ class WeightsKVResult:
 
     def compounding(self, weights: str, kv: str) -> float:
         """Mean KL of the pair over (weights alone + KV alone): 1.0 when the two errors just add up."""
+        if weights == FULL_WEIGHTS or kv == BASELINE:
+            return float("nan")  # not a pair of two quantized parts
         try:
-            alone = self.cell(weights, "fp16")["mean_kl"] + self.cell("fp16", kv)["mean_kl"]
+            alone = self.cell(weights, BASELINE)["mean_kl"] + self.cell(FULL_WEIGHTS, kv)["mean_kl"]
         except KeyError:
             return float("nan")
         return self.cell(weights, kv)["mean_kl"] / alone if alone > 0 else float("nan")
@@ -608,7 +636,7 @@ class WeightsKVResult:
             cells = []
             for kv in self.kv:
                 c, ratio = self.cell(w, kv), self.compounding(w, kv)
-                both = "fp16" not in (w, kv) and ratio == ratio  # a pair of two quantized parts
+                both = ratio == ratio  # a pair of two quantized parts (NaN otherwise)
                 cells.append(f"{c['median_kl']:.3g} ({100 * c['top1']:.0f}%)" + (f" [{ratio:.2f}x]" if both else ""))
             rows.append(f"| {w} | " + " | ".join(cells) + " |")
         return "\n".join(rows) + (
@@ -661,7 +689,7 @@ def weights_and_kv(
             top1 = mx.mean((mx.argmax(logp, axis=-1) == ref_top).astype(mx.float32))
             kl_list = kl.tolist()
             result.rows.append({
-                "weights": "fp16" if bits is None else f"{bits}-bit", "weight_bits": bits,
+                "weights": weights_label(bits), "weight_bits": bits,
                 "kv": chosen.label,
                 "median_kl": float(np.median(kl_list)), "mean_kl": float(np.mean(kl_list)),
                 "p99_kl": float(np.percentile(kl_list, 99)), "top1": top1.item(),

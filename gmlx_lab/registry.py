@@ -150,6 +150,11 @@ class Scheme:
 
         check(max_kv_size, None, where)
 
+    def token_region(self, position: int, tokens: int, newest: int, options: dict[str, Any]) -> str:
+        """Where a cache of `tokens` tokens, whose latest update brought `newest`, holds the token at
+        `position`: "quantized" unless the scheme keeps regions of its own (kvarn: sink, records, live, tail)."""
+        return "quantized"
+
     def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
         """Stored bytes of one layer (batch 1) holding `tokens` tokens, growth reserve excluded."""
         raise NotImplementedError(f"scheme {self.name} has no byte formula")

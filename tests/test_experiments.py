@@ -27,6 +27,7 @@ from gmlx_lab.experiments import (
     greedy_tokens,
     layer_skip_draft,
     needle_storage,
+    parse_weight_bits,
     passkey,
     passkey_prompt,
     prefill,
@@ -165,7 +166,7 @@ def test_stored_prefix_is_a_one_chunk_kvarn_prefill_and_leaves_the_reference_alo
     shared = stored_prefix(reference, chosen)
     own = chosen.make_cache()
     prefill(model, ids, own)
-    own.seal()
+    own.settle()
     assert shared[5].n_records == own[5].n_records == 1  # (300 - 128 sink) // 128
     a, b = model(mx.array([question]), cache=shared), model(mx.array([question]), cache=own)
     assert mx.allclose(a, b, atol=1e-5).item()
@@ -287,3 +288,12 @@ def test_figures_draw_live_and_stored_results(teaching) -> None:
     heat = viz.passkey_heatmaps(stub)
     assert heat.data[0].z.shape == (2, 2) and "baseline" in heat.layout.annotations[0].text
     assert len(viz.weights_kv_positions(weights, "8-bit").data) == 2
+
+
+def test_weight_widths_are_read_and_bad_ones_refused():
+    assert parse_weight_bits("fp16, 8,4") == [None, 8, 4]
+    for bad in ("7", "four", "fp8"):
+        with pytest.raises(ValueError, match="accepted: fp16 or one of 2, 3, 4, 5, 6, 8"):
+            parse_weight_bits(bad)
+    with pytest.raises(ValueError, match="weight bits=7 is not accepted"):
+        quantize_weights(nn.Linear(64, 64), 7)

@@ -50,6 +50,22 @@ def test_forward_close_to_mlx_lm_kvcache_and_uses_attend(model, tokens, scheme, 
 
 
 @pytest.mark.parametrize("scheme, options", SCHEMES)
+def test_a_model_reading_the_returned_kv_itself_gets_the_logits_of_the_cache_attention(model, tokens, scheme, options,
+                                                                                      monkeypatch):
+    """Model code that attends over what update_and_fetch returned (mlx-lm's own SDPA, not the cache's `attend`:
+    the fused kernels on a GPU, the reference path on the CPU) gets the same logits: prefill chunks and decode."""
+    chunks = [300, 60, 1, 1, 1]
+    routed = run_chunks(model, gmlx_lab.make_cache(model, scheme, quiet=True, **options), tokens, chunks)
+    cache = gmlx_lab.make_cache(model, scheme, quiet=True, **options)
+    for cls in {type(c) for c in cache}:
+        monkeypatch.setattr(cls, "fetched", lambda self, keys, values: False)  # the seam never routes
+    direct = run_chunks(model, cache, tokens, chunks)
+    scale = max(1.0, float(mx.abs(direct).max()))
+    tol = 1e-4 if mx.default_device() == mx.cpu else 6e-3  # float16 tensor-core products in the fused kernels
+    assert float(mx.abs(routed - direct).max()) < tol * scale
+
+
+@pytest.mark.parametrize("scheme, options", SCHEMES)
 def test_generate_step_and_save_load_roundtrip(model, tokens, scheme, options, tmp_path):
     cache = gmlx_lab.make_cache(model, scheme, quiet=True, **options)
     generated = [t for t, _ in generate_step(tokens[0, :250], model, max_tokens=12, prompt_cache=cache)]

@@ -173,6 +173,11 @@ def _kernel(name: str, backend: str, inputs: tuple[str, ...], outputs: tuple[str
                                 source=source, header=header, ensure_row_contiguous=True)
 
 
+def forget_kernels() -> None:
+    """Drop the compiled kernel objects, so the next launch compiles the sources as they read now."""
+    _kernel.cache_clear()
+
+
 @cache
 def _template(items: tuple[tuple[str, int], ...]) -> list[tuple[str, int]]:
     """The template argument list MLX takes, built once per set of values (decode steps repeat them)."""

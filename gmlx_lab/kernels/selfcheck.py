@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..records import KV, KvarnParts, decode_tokens, encode_tokens, unpack_rows
-from .build import active_backend
+from .build import active_backend, forget_kernels
 from .decode import affine_partials, group_queries, kvarn_partials, merge_splits, unpack_records
 from .seal import seal_records
 
@@ -131,8 +131,10 @@ def failure(name: str) -> str | None:
 
 
 def reset() -> None:
-    """Forget the results, so the next use checks again (tests; after changing a kernel in a session)."""
+    """Forget the results and the compiled kernels, so the next use compiles and checks again (tests; after
+    changing a kernel's source in a session)."""
     _results.clear()
+    forget_kernels()
 
 
 def report() -> list[CheckResult] | None:

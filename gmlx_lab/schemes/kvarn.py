@@ -95,6 +95,16 @@ class KvarnScheme(Scheme):
         """A kvarn window must hold the sink, the fp16 tail and whole records beside the live group."""
         window.check(max_kv_size, options["kv_tail_tokens"], where)
 
+    def token_region(self, position: int, tokens: int, newest: int, options: dict[str, Any]) -> str:
+        """The fp16 sink, the records, the live group or the fp16 tail, in that order along the context."""
+        regions = records.region_tokens(tokens, options["kv_tail_tokens"], newest=newest)
+        end = 0
+        for region, name in (("sink", "sink"), ("body", "records"), ("live", "live"), ("tail", "tail")):
+            end += regions[region]
+            if position < end:
+                return name
+        raise ValueError(f"position {position} is outside a cache of {tokens} tokens")
+
     def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
         """Sealed tokens: dk / w + dv / w records of 128 tokens x w channels each (w = 128, or the whole head of
         the head-dim extension), 2048 * bits + 768 bytes at w = 128; the rest fp16."""

@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 from .. import records, window
 from ..policy import Policy
 from ..records import region_tokens
-from ..registry import SCHEMES
+from ..registry import BASELINE, SCHEMES
 from .quant import AffineRow, hadamard
 
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
@@ -277,7 +277,7 @@ def passkey_heatmaps(result: Any, title: str | None = None) -> go.Figure:
     """One heatmap per scheme: passkey accuracy by needle depth (rows) and prompt length (columns)."""
     data = experiment_data(result)
     labels, lengths, depths = data["labels"], data["lengths"], data["depths"]
-    names = [f"{label}{' (baseline)' if label == 'fp16' else ''}: {100 * data['accuracy'][label]:.0f}%"
+    names = [f"{label}{' (baseline)' if label == BASELINE else ''}: {100 * data['accuracy'][label]:.0f}%"
              for label in labels]
     fig = make_subplots(rows=1, cols=len(labels), shared_yaxes=True, horizontal_spacing=0.02,
                         subplot_titles=names)
@@ -307,7 +307,7 @@ def draft_figure(result: Any, title: str | None = None) -> go.Figure:
                 hovertemplate="%{x}: %{y:.1f}% accepted<extra></extra>", showlegend=False)
     fig.add_bar(x=labels, y=[r["tokens_per_step"] for r in runs], marker_color=colors, row=1, col=2,
                 hovertemplate="%{x}: %{y:.2f} tokens per step<extra></extra>", showlegend=False)
-    base = next((r for r in runs if r["label"] == "fp16"), None)
+    base = next((r for r in runs if r["label"] == BASELINE), None)
     if base is not None:
         fig.add_hline(y=100 * base["acceptance"], line_dash="dash", row=1, col=1,
                       annotation_text="fp16 baseline", annotation_position="top left")
@@ -338,7 +338,7 @@ def weights_kv_figure(result: Any, title: str | None = None) -> go.Figure:
 
     def label(w: str, kv: str) -> str:
         ratio = cell[w, kv].get("compounding")
-        both = "fp16" not in (w, kv) and ratio is not None  # two quantized parts
+        both = ratio is not None  # two quantized parts (compounding is None otherwise)
         return f"{cell[w, kv]['median_kl']:.2g}" + (f"<br>{ratio:.2f}x sum" if both else "")
 
     z = np.array([[np.log10(max(cell[w, kv]["median_kl"], 1e-9)) for kv in kvs] for w in weights])
@@ -366,5 +366,5 @@ def weights_kv_positions(result: Any, weights: str, title: str | None = None) ->
                yaxis_type="log", height=360)
     for r in rows:
         fig.add_scatter(y=[max(v, 1e-9) for v in r["decode_kl"]], mode="lines", name=f"{weights} + {r['kv']}",
-                        line={"color": scheme_color(r["kv"]), "dash": "solid" if r["kv"] == "fp16" else "dot"})
+                        line={"color": scheme_color(r["kv"]), "dash": "solid" if r["kv"] == BASELINE else "dot"})
     return fig

@@ -15,25 +15,36 @@ from IPython.display import display
 
 from .. import experiments
 from ..kv_inspect import eval_tokens
+from ..registry import SCHEMES, get_scheme
 from ..viz import figures
 
 __all__ = ["DraftApp", "PasskeyApp", "SchemePicker", "WeightsApp", "draft_app", "passkey_app", "weights_app"]
 
-WIDTHS = [2, 3, 4, 6, 8]  # accepted by affine, affine_rot and kvarn alike
+WIDTHS = [2, 3, 4, 6, 8]  # accepted by affine, affine_rot and kvarn alike; the picker offers schemes that take them
 
 
 class SchemePicker:
-    """Scheme, width and kvarn tail controls; `spec` is the scheme spec they make, e.g. "kvarn2:tail=0"."""
+    """Scheme, width and tail controls over the registered schemes that take a width; `spec` is the scheme spec
+    they make, e.g. "kvarn2:tail=0". The tail control is enabled only for a scheme that keeps an fp16 tail."""
 
     def __init__(self, scheme: str = "kvarn", width: int = 2, tail: int = 0):
-        self.scheme = W.ToggleButtons(options=["affine", "affine_rot", "kvarn"], value=scheme, description="scheme")
+        names = [name for name, s in SCHEMES.items()
+                 if any(o.name == "bits" and set(WIDTHS) <= set(o.choices or WIDTHS) for o in s.options)]
+        self.scheme = W.ToggleButtons(options=names, value=scheme, description="scheme")
         self.width = W.Dropdown(options=WIDTHS, value=width, description="width", layout={"width": "160px"})
-        self.tail = W.ToggleButtons(options=[0, 128, 1024], value=tail, description="kvarn tail")
+        self.tail = W.ToggleButtons(options=[0, 128, 1024], value=tail, description="fp16 tail")
+        self.scheme.observe(lambda _: self._enable(), names="value")
+        self._enable()
+
+    def _has_tail(self) -> bool:
+        return any(o.name == "kv_tail_tokens" for o in get_scheme(self.scheme.value).options)
+
+    def _enable(self) -> None:
+        self.tail.disabled = not self._has_tail()
 
     @property
     def spec(self) -> str:
-        s = self.scheme.value
-        return f"{s}{self.width.value}" + (f":tail={self.tail.value}" if s == "kvarn" else "")
+        return f"{self.scheme.value}{self.width.value}" + (f":tail={self.tail.value}" if self._has_tail() else "")
 
     def widgets(self) -> list[W.Widget]:
         return [self.scheme, W.HBox([self.width, self.tail])]
