@@ -82,8 +82,10 @@ def test_bad_input_is_refused_with_what_is_accepted(bundled, prompt) -> None:
 
 def test_app_streams_every_column_and_enables_only_the_controls_that_apply(bundled) -> None:
     model, tokenizer = bundled
-    app = widgets.compare(model, tokenizer, context_tokens=160, max_tokens=5, tail=1024)
-    assert list(app.schemes) == [n for n in gmlx_lab.SCHEMES if n != "fp16"]
+    every = widgets.compare(model, tokenizer, autorun=False)  # by default every registered scheme (plug-ins too)
+    assert list(every.schemes) == [n for n in gmlx_lab.SCHEMES if n != "fp16"] and every.live is None
+    app = widgets.compare(model, tokenizer, context_tokens=160, max_tokens=5, tail=1024,
+                          schemes=["affine", "affine_rot", "kvarn"])
     assert [len(c.tokens) for c in app.live.columns] == [5] * (1 + len(app.schemes))
     assert len(app.columns.children) == len(app.live.columns) and not app.run.disabled
     assert "done: 5+ tokens per column" in app.status.value and "context 170 tokens" in app.status.value
