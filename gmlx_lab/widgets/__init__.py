@@ -145,7 +145,7 @@ def _holds_html(col: LiveColumn) -> str:
     regions = col.holdings()
     if len(regions) == 1:
         (name, n), = regions.items()
-        line = f"cache: {n} tokens, all {'fp16' if name == 'fp16' else name}"
+        line = f"cache: {n} tokens, all {name}"
     else:
         line = f"cache: {col.context} tokens = " + " + ".join(f"{name} {n}" for name, n in regions.items())
     line += f" <span style='color:#666'>({col.quantized_layers} layers quantized)</span>"
