@@ -24,7 +24,7 @@ import pytest
 from conftest import random_kv
 
 import gmlx_lab
-from gmlx_lab import viz
+from gmlx_lab import tradeoff, viz
 from gmlx_lab.models import specimen
 
 RESULT = viz.benchmark_results
@@ -73,6 +73,18 @@ def _errors() -> list[dict]:
             for g in (32, 64, 128) for kv in "KV" for b in (2, 4, 8)]
 
 
+SIZE_CONTEXTS = [128, 1024, 8192]
+
+
+def _tradeoff_points() -> list:
+    return tradeoff.tradeoff_points(RESULT("fidelity-teaching-llama.json")["fidelity-teaching-llama.json"])
+
+
+def _size_curves() -> dict:
+    model = gmlx_lab.load("teaching-llama")[0]
+    return tradeoff.size_curves(model, ["fp16", "affine4", "kvarn4:tail=128", "kvarn4:tail=0"], SIZE_CONTEXTS)
+
+
 EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "affine_row_figure": lambda: [viz.affine_row_figure(viz.affine_row(_k()[0]))],
     "group_error_figure": lambda: [viz.group_error_figure(viz.affine_row(viz.outlier_row(12.0), 4, 32))],
@@ -109,6 +121,10 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "draft_figure": lambda: [viz.draft_figure(_beyond("draft"))],
     "weights_kv_figure": lambda: [viz.weights_kv_figure(_beyond("weights_kv"))],
     "weights_kv_positions": lambda: [viz.weights_kv_positions(_beyond("weights_kv"), "8-bit")],
+    "tradeoff_figure": lambda: [viz.tradeoff_figure(_tradeoff_points())],
+    "size_figure": lambda: [viz.size_figure(_size_curves(), SIZE_CONTEXTS,
+                                            {"kvarn4 tail=128 < affine8": 1025, "kvarn4 tail=128 < affine4": 35713})],
+    "published_vs_ours_figure": lambda: [viz.published_vs_ours_figure(viz.GMLX_KL_TABLE["rows"], _tradeoff_points())],
 }
 
 

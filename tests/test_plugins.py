@@ -105,15 +105,16 @@ def test_widget_builders(model):
     from gmlx_lab import widgets
 
     picker = widgets.model_picker()
-    app = widgets.compare(picker.model, picker.tokenizer, context_tokens=160, max_tokens=4, scheme="toy",
+    app = widgets.compare(picker.model, picker.tokenizer, context_tokens=160, max_tokens=4, tail=0,
                           schemes=["fp16", "affine", "toy"])
-    assert app.scheme.options == ("fp16", "affine", "toy")
-    assert app.options() == {"bits": 4, "kv_tail_tokens": 0}  # the K width (4) and the tail control (0)
-    assert "toy4 tail=0" in app.kl_fig.layout.title.text and "tokens/s" in app.stats.value
-    app.k_bits.value = 2  # toy takes 4 or 8: the app says so instead of failing
-    assert "bits=2 is not supported; accepted: 4, 8" in app.texts.value
-    app.scheme.value = "affine"
-    assert "affine2" in app.kl_fig.layout.title.text
+    assert list(app.schemes) == ["affine", "toy"]  # fp16 is always there: the reference column
+    assert app.options("toy") == {"bits": 4, "kv_tail_tokens": 0}  # the K width (4) and the tail control (0)
+    assert [c.label for c in app.live.columns] == ["fp16", "affine4 g64", "toy4 tail=0"]
+    assert "tokens/s" in app.stats.value and not app.tail.disabled  # toy has a tail
+    app.k_bits.value = 2  # toy takes 4 or 8: the app says so and runs the others
+    app.generate()
+    assert "bits=2 is not supported; accepted: 4, 8" in app.status.value
+    assert [c.label for c in app.live.columns] == ["fp16", "affine2 g64"]
     assert viz.scheme_color("toy4 tail=0") == "#2ca02c"
     assert isinstance(viz.policy_strip([gmlx_lab.policy(model, "toy")]).to_json(), str)
 

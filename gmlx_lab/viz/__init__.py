@@ -65,6 +65,7 @@ from .sources import (
     family_curves,
 )
 from .style import figure_problems, num, scheme_color, scheme_colors, trace_styles
+from .tradeoff import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
 
 __all__ = [
     "AffineRow", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "LayerShape", "REAL_DENSE_CONFIGS", "REGION_COLORS",
@@ -78,6 +79,7 @@ __all__ = [
     "scheme_colors", "sink_layers_figure", "sink_mass_figure", "source", "table_html", "trace_styles",
     "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
+__all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 
 def _offline_export_renderer() -> None:

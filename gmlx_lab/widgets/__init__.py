@@ -21,10 +21,12 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from .. import kv_inspect
-from ..fidelity import fidelity
+from ..live import LiveColumn, LiveCompare, quantized_tokens
 from ..models import BUNDLED_NAME, available_models, load
 from ..registry import BASELINE, SCHEMES, get_scheme
 from ..viz import figures
+from ..viz import tradeoff as tradeoff_viz
+from ..viz.figures import scheme_color
 from ..viz.quant import outlier_ratio
 from .experiments import DraftApp, PasskeyApp, SchemePicker, WeightsApp, draft_app, passkey_app, weights_app
 
@@ -133,106 +135,190 @@ def region_explorer(context: int = 1500, tail: int = 1024) -> W.Widget:
     return W.VBox([W.HBox([ctx, tl]), bar, stream])
 
 
-def _tokens_html(pieces: list[str], diverge: int | None, color: str) -> str:
+def _column_html(col: LiveColumn, reference: LiveColumn) -> str:
+    """One column's text, each token shaded by its KL against fp16 (fixed log scale), the first token that
+    differs from fp16's text outlined."""
+    diverge = None if col.reference else kv_inspect.first_divergence(reference.tokens, col.tokens)
     out = []
-    for i, p in enumerate(pieces):
-        text = html.escape(p).replace("\n", "⏎")
-        if diverge is not None and i >= diverge:
-            style = f"background:{color};" + ("outline:2px solid #c00;" if i == diverge else "")
-            out.append(f"<span style='{style}'>{text}</span>")
-        else:
-            out.append(text)
+    for i, (piece, kl) in enumerate(zip(col.pieces, col.kl)):
+        shade = tradeoff_viz.kl_color(kl)
+        style = (f"background:{shade};" if shade else "") + ("outline:2px solid #c00;" if i == diverge else "")
+        text = html.escape(piece).replace("\n", "⏎<br>")
+        out.append(f"<span style='{style}' title='token {i}: KL {kl:.2e} nats'>{text}</span>")
     return "".join(out)
 
 
-class CompareApp:
-    """Live comparison of one scheme against fp16 on the same prompt (the toggles: every registered scheme,
-    or `schemes`; the controls map to each scheme's options through `Scheme.widget_options`).
+def _holds_html(col: LiveColumn) -> str:
+    """What the column's cache holds: tokens per region of a quantized layer, and which layers are quantized."""
+    regions = col.holdings()
+    if len(regions) == 1:
+        (name, n), = regions.items()
+        line = f"cache: {n} tokens, all {name}"
+    else:
+        line = f"cache: {col.context} tokens = " + " + ".join(f"{name} {n}" for name, n in regions.items())
+    line += f" <span style='color:#666'>({col.quantized_layers} layers quantized)</span>"
+    if not col.reference and quantized_tokens(regions) == 0:
+        line += ("<br><b style='color:#b35900'>nothing quantized yet: the fp16 sink and tail cover the whole "
+                 f"{col.context}-token context, so this cache is fp16</b>")
+    return line
 
-    The prompt follows `context_tokens` tokens of the bundled evaluation text, so
-    the cache is long enough for kvarn to seal records (its first 128 tokens are
-    an fp16 sink). Both generations are greedy; the first token where they differ
-    is outlined. The KL strip is teacher-forced along the fp16 generation: at each
-    generated position, KL(fp16 || scheme) of the next-token distributions.
+
+class CompareApp:
+    """Live comparison: fp16 and each chosen scheme side by side, streamed token by token.
+
+    The prompt follows `context_tokens` tokens of the bundled evaluation text, so the cache is long enough for
+    kvarn to seal records (its first 128 tokens are an fp16 sink). Every column is greedy text from
+    `mlx_lm.stream_generate` with that scheme's cache (gmlx_lab.live.LiveCompare); each token is shaded by
+    KL(fp16 || scheme) of the distribution it was drawn from, on one fixed log scale for all columns. The
+    controls map to each scheme's options through `Scheme.widget_options`; a control no chosen scheme has is
+    disabled. Below: what each cache holds (sink, records, live group, tail), its bytes, and its KL against
+    its bytes per token (the equal-memory view).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, prompt: str = "Once upon a time", context_tokens: int = 320,
-                 max_tokens: int = 20, scheme: str = "kvarn", schemes: Sequence[str] | None = None):
+    def __init__(self, model: Any, tokenizer: Any, prompt: str = "Once upon a time", context_tokens: int = 448,
+                 max_tokens: int = 64, schemes: Sequence[str] | None = None, bits: int = 4, tail: int = 128,
+                 autorun: bool = True):
         self.model, self.tokenizer = model, tokenizer
-        self.context = kv_inspect.eval_tokens(tokenizer, context_tokens) if context_tokens else []
-        self.max_tokens = max_tokens
+        names = [n for n in SCHEMES if n != BASELINE] if schemes is None else [get_scheme(s).name for s in schemes]
+        names = [n for n in names if n != BASELINE]  # fp16 is always the first column: the reference
+        if not names:
+            raise ValueError(f"compare needs at least one scheme besides fp16; registered: {', '.join(SCHEMES)}")
         self.prompt = W.Textarea(value=prompt, description="prompt", layout={"width": "60%"})
-        choices = list(SCHEMES) if schemes is None else [get_scheme(s).name for s in schemes]
-        self.scheme = W.ToggleButtons(options=choices, value=get_scheme(scheme).name, description="scheme")
-        self.k_bits = W.Dropdown(options=[2, 3, 4, 6, 8], value=4, description="K bits", layout={"width": "160px"})
-        self.v_bits = W.Dropdown(options=[2, 3, 4, 6, 8], value=4, description="V bits", layout={"width": "160px"})
-        self.tail = W.ToggleButtons(options=[0, 128, 1024], value=0, description="fp16 tail",
-                                    tooltips=["newest tokens kept fp16 (schemes with kv_tail_tokens)"] * 3)
-        self.run = W.Button(description="Generate", button_style="primary")
-        self.texts = W.HTML()
+        contexts = sorted({0, 448, 1024, 2048, context_tokens})
+        self.context = W.Dropdown(options=contexts, value=context_tokens, description="text before",
+                                  tooltip="tokens of the bundled text placed before the prompt",
+                                  layout={"width": "220px"})
+        self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=512, description="new tokens",
+                                           layout={"width": "200px"})
+        self.schemes = {n: W.Checkbox(value=True, description=n, indent=False, tooltip=get_scheme(n).summary,
+                                      layout={"width": "auto", "margin": "0 16px 0 0"}) for n in names}
+        self.k_bits = W.Dropdown(options=[2, 3, 4, 5, 6, 8], value=bits, description="K bits",
+                                 layout={"width": "160px"})
+        self.v_bits = W.Dropdown(options=[2, 3, 4, 5, 6, 8], value=bits, description="V bits",
+                                 layout={"width": "160px"})
+        self.tail = W.Dropdown(options=[0, 128, 256, 1024], value=tail, description="fp16 tail",
+                               layout={"width": "180px"})
+        self.applies = W.HTML()
+        self.run = W.Button(description="Generate", button_style="primary", icon="play")
+        self.progress = W.IntProgress(value=0, min=0, max=max_tokens, layout={"width": "200px"})
+        self.status = W.HTML()
+        self.legend = W.HTML(tradeoff_viz.kl_legend_html())
+        self.columns = W.HBox(layout={"width": "100%", "align_items": "stretch"})
         self.stats = W.HTML()
-        self.kl_fig = go.FigureWidget(figures.kl_strip(np.zeros(max_tokens), title="KL per token vs fp16"))
-        self._memo: dict[Any, Any] = {}
-        for w in (self.scheme, self.k_bits, self.v_bits, self.tail):
-            w.observe(lambda _: self.update(), "value")
-        self.run.on_click(lambda _: self.update())
-        self.update()
+        self.strip = go.FigureWidget()  # the equal-memory strip, drawn when a generation ends
+        self.live: LiveCompare | None = None
+        for w in (*self.schemes.values(), self.k_bits, self.v_bits, self.tail):
+            w.observe(lambda _: self.update_controls(), "value")
+        self.run.on_click(lambda _: self.generate())
+        self.update_controls()
+        if autorun:
+            self.generate()
 
-    def options(self) -> dict[str, Any]:
-        """The chosen scheme's options from the controls (`Scheme.widget_options`: one width uses the K width)."""
-        return get_scheme(self.scheme.value).widget_options(self.k_bits.value, self.v_bits.value, self.tail.value)
+    def chosen(self) -> list[str]:
+        """The schemes toggled on (fp16 comes first on its own)."""
+        return [n for n, t in self.schemes.items() if t.value]
 
-    def _cached(self, key: Any, fn: Any) -> Any:
-        if key not in self._memo:
-            self._memo[key] = fn()
-        return self._memo[key]
+    def options(self, name: str) -> dict[str, Any]:
+        """A scheme's options from the controls (`Scheme.widget_options`: one width uses the K width)."""
+        return get_scheme(name).widget_options(self.k_bits.value, self.v_bits.value, self.tail.value)
 
-    def update(self) -> None:
-        """Generate under fp16 and the chosen scheme, then redraw texts, KL strip and stats."""
-        ids = self.context + list(self.tokenizer.encode(self.prompt.value, add_special_tokens=False))
+    def update_controls(self) -> None:
+        """Enable each control only where a chosen scheme has the option it sets; say which schemes it sets."""
+        has = {n: {o.name for o in get_scheme(n).options} for n in self.chosen()}
+        users = {
+            self.k_bits: [n for n, o in has.items() if o & {"bits", "k_bits"}],
+            self.v_bits: [n for n, o in has.items() if {"k_bits", "v_bits"} <= o],
+            self.tail: [n for n, o in has.items() if "kv_tail_tokens" in o],
+        }
+        for control, names in users.items():
+            control.disabled = not names
+        one_width = [n for n in users[self.k_bits] if n not in users[self.v_bits]]
+        self.applies.value = (
+            "<small>"
+            f"K bits: {', '.join(users[self.k_bits]) or 'no chosen scheme'}"
+            + (f" ({', '.join(one_width)}: one width for K and V)" if one_width else "")
+            + f" · V bits: {', '.join(users[self.v_bits]) or 'no chosen scheme'}"
+            + f" · fp16 tail: {', '.join(users[self.tail]) or 'no chosen scheme'}</small>")
+
+    def prompt_ids(self) -> list[int]:
+        """The bundled text's first `context` tokens, then the prompt."""
+        text = kv_inspect.eval_tokens(self.tokenizer, self.context.value) if self.context.value else []
+        return text + list(self.tokenizer.encode(self.prompt.value, add_special_tokens=False))
+
+    def generate(self) -> None:
+        """Stream every chosen scheme and fp16, redrawing the columns after each token."""
+        specs, problems = [], []
+        for n in self.chosen():
+            try:
+                get_scheme(n).resolve(**self.options(n))
+                specs.append((n, self.options(n)))
+            except ValueError as exc:  # a width this scheme does not take: say so, run the others
+                problems.append(html.escape(str(exc)))
+        ids = self.prompt_ids()
+        self.live = LiveCompare(self.model, self.tokenizer, ids, specs, max_tokens=self.max_tokens.value)
+        boxes = [W.HTML(layout={"flex": "1 1 0", "min_width": "0", "padding": "0 6px",
+                                "border_left": "3px solid " + scheme_color(c.label)}) for c in self.live.columns]
+        for box in boxes:
+            box.add_class("gmlx-column")  # for the browser test
+        self.columns.children = boxes
+        self.run.disabled, self.run.description, self.run.icon = True, "Generating…", "spinner"
+        self.progress.max, self.progress.value = self.live.max_tokens, 0
+        skipped = f"<br><span style='color:#c00'>skipped: {'; '.join(problems)}</span>" if problems else ""
         try:
-            opts = self.options()
-            get_scheme(self.scheme.value).resolve(**opts)
-        except ValueError as exc:  # a width this scheme does not take: say so in the app
-            self.texts.value = f"<span style='color:#c00'>{html.escape(str(exc))}</span>"
-            return
-        key = (tuple(ids), self.scheme.value, tuple(sorted(opts.items())))
-        baseline = self.scheme.value == BASELINE
-        ref = self._cached((tuple(ids), BASELINE), lambda: kv_inspect.generate(
-            self.model, self.tokenizer, ids, BASELINE, self.max_tokens))
-        gen = ref if baseline else self._cached(key, lambda: kv_inspect.generate(
-            self.model, self.tokenizer, ids, self.scheme.value, self.max_tokens, **opts))
-        kl = np.zeros(len(ref.tokens)) if baseline else self._cached(
-            ("kl", key), lambda: self._decode_kl(ids, ref.tokens, opts))
-        div = kv_inspect.first_divergence(ref.tokens, gen.tokens)
-        where = "identical" if div is None else f"first divergence at generated token {div}"
-        self.texts.value = (
-            "<div style='display:flex;gap:16px'>"
-            f"<div style='flex:1'><b>fp16</b><br>{_tokens_html(ref.pieces, div, '#ffe0b2')}</div>"
-            f"<div style='flex:1'><b>{html.escape(gen.label)}</b><br>{_tokens_html(gen.pieces, div, '#ffcdd2')}</div>"
-            f"</div><p><i>{where}</i></p>")
-        with self.kl_fig.batch_update():
-            self.kl_fig.data[0].x = list(range(len(kl)))
-            self.kl_fig.data[0].y = [float(v) for v in kl]
-            self.kl_fig.data[0].customdata = ref.pieces
-            self.kl_fig.layout.title.text = (f"KL per token: {gen.label} vs fp16 (mean {float(np.mean(kl)):.2e} nats)")
-        cell = "<td style='padding:0 12px'>{}</td>"
-        rows = [("", BASELINE, gen.label),
-                ("cache", figures.bytes_label(ref.cache_bytes), figures.bytes_label(gen.cache_bytes)),
-                ("tokens/s", f"{ref.tokens_per_s:.1f}", f"{gen.tokens_per_s:.1f}")]
-        self.stats.value = "<table>" + "".join(
-            "<tr>" + "".join(cell.format(html.escape(c)) for c in r) + "</tr>" for r in rows) + "</table>"
+            for step in self.live.stream():
+                self.progress.value = step
+                self.status.value = (f"<b>generating</b> token {step} of {self.live.max_tokens} · context "
+                                     f"{self.live.context} tokens ({len(ids)} prompt + generated){skipped}")
+                self._draw_columns(boxes)
+        finally:
+            self.run.disabled, self.run.description, self.run.icon = False, "Generate", "play"
+        self.status.value = (f"done: {min(len(c.tokens) for c in self.live.columns)}+ tokens per column · context "
+                             f"{self.live.context} tokens = {len(ids)} prompt ({self.context.value} of the bundled "
+                             f"text + your prompt) + the generated ones{skipped}")
+        self._draw_columns(boxes)
+        self._draw_stats()
 
-    def _decode_kl(self, ids: list[int], generated: list[int], opts: dict[str, Any]) -> np.ndarray:
-        """KL(fp16 || scheme) at each generated position, teacher-forced along the fp16 tokens, decoded one by one."""
-        res = fidelity(self.model, self.tokenizer, ids + generated, [(self.scheme.value, opts)], prefill=len(ids),
-                       decode=len(generated) - 1)
-        one = res.schemes[0]
-        return np.array([one.prefill_kl[-1], *one.decode_kl])
+    def _draw_columns(self, boxes: list[W.HTML]) -> None:
+        ref = self.live.columns[0]
+        for box, col in zip(boxes, self.live.columns):
+            kl = f"mean KL {np.mean(col.kl):.1e} nats" if col.kl and not col.reference else "the reference"
+            box.value = (f"<div style='font-family:sans-serif;line-height:1.35'><b style='color:"
+                         f"{scheme_color(col.label)}'>{html.escape(col.label)}</b> <small>({len(col.tokens)} tokens, "
+                         f"{kl})</small><div style='font-size:11px;margin-top:2px'>{_holds_html(col)}</div>"
+                         f"<div style='font-family:monospace;font-size:12px;line-height:1.5;margin-top:4px'>"
+                         f"{_column_html(col, ref)}</div></div>")
+
+    def _draw_stats(self) -> None:
+        points = self.live.points()
+        head = ("scheme", "cache", "% of fp16", "KiB / token", "median KL (nats)", "tokens/s")
+        rows = []
+        for c, p in zip(self.live.columns, points):
+            rows.append((c.label, figures.bytes_label(p.bytes_per_token * p.context), f"{100 * p.share_of_fp16:.0f}%",
+                         f"{p.bytes_per_token / 1024:.2f}", "0 (reference)" if c.reference else f"{p.kl:.1e}",
+                         f"{c.tokens_per_s:.1f}"))
+        cell = "<td style='padding:0 12px'>{}</td>"
+        self.stats.value = ("<table><tr>" + "".join(f"<th style='padding:0 12px'>{h}</th>" for h in head) + "</tr>"
+                            + "".join("<tr>" + "".join(cell.format(html.escape(str(x))) for x in r) + "</tr>"
+                                      for r in rows) + "</table>"
+                            "<small>cache: resident bytes of the whole cache at the end (growth reserve excluded); "
+                            "tokens/s: this column's decode speed while all columns ran in turn</small>")
+        fresh = tradeoff_viz.tradeoff_figure(points, height=300, title=(
+            f"equal memory at {points[0].context} tokens: KL against cache size"))
+        with self.strip.batch_update():
+            self.strip.data = []
+            for trace in fresh.data:
+                self.strip.add_trace(trace)
+            self.strip.layout = fresh.layout
 
     def widget(self) -> W.Widget:
-        return W.VBox([self.prompt, self.scheme, W.HBox([self.k_bits, self.v_bits]), self.tail, self.run,
-                       self.texts, self.kl_fig, self.stats])
+        box = W.VBox([self.prompt, W.HBox([self.context, self.max_tokens]),
+                      W.HBox([W.Label("schemes beside fp16:", layout={"margin": "0 12px 0 0"}),
+                              *self.schemes.values()]),
+                      W.HBox([self.k_bits, self.v_bits, self.tail]), self.applies,
+                      W.HBox([self.run, self.progress]), self.status, self.legend, self.columns, self.stats,
+                      self.strip])
+        box.add_class("gmlx-compare")
+        return box
 
     def _ipython_display_(self) -> None:
         display(self.widget())

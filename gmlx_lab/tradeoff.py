@@ -1,0 +1,140 @@
+"""Equal-memory comparisons: what a scheme's fidelity costs in cache bytes per token.
+
+Comparing schemes at equal bit width hides what a user pays for: memory. kvarn keeps a 128-token sink,
+its `kv_tail_tokens` newest tokens and the group being filled in fp16, a fixed cost that its codes must
+earn back; affine pays a scale and offset per group of every token instead. Here each scheme's cache is
+measured in bytes per token of context (the registry's byte formulas, through the policy: layers a scheme
+does not take count as fp16), and its fidelity (decode median KL against fp16, from `fidelity`) is
+placed against that.
+
+    bytes_per_token(model, "kvarn4:tail=128", 1024)       # whole cache / context
+    crossover(model, "kvarn4:tail=128", "affine8")        # first context from which kvarn stays smaller
+    points = tradeoff_points(fidelity_result)             # KL against bytes per token, one point per scheme
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .fidelity import FidelityResult, SchemeLike, scheme_label, spec_policy
+from .registry import BASELINE, SCHEMES, get_scheme
+from .viz.sizes import layer_bytes, layer_shapes, policy_bytes
+
+__all__ = ["TradeoffPoint", "bytes_per_token", "crossover", "first_quantized_context", "size_curves",
+           "tradeoff_points"]
+
+
+@dataclass(frozen=True)
+class TradeoffPoint:
+    """One scheme on one model at one context: cache bytes per token and decode median KL against fp16."""
+
+    model: str
+    label: str
+    scheme: str
+    bits: int | None  # the code width, the K width where K and V differ (None for fp16)
+    v_bits: int | None  # the V width (None for fp16)
+    tail: int | None  # kv_tail_tokens, for schemes that have one
+    context: int  # tokens the cache held at the end of the run
+    bytes_per_token: float  # resident cache bytes / context, growth reserve excluded
+    fp16_bytes_per_token: float
+    kl: float  # decode median KL(fp16 || scheme), nats
+
+    @property
+    def family(self) -> str:
+        """The scheme, K/V widths where they differ, and the tail: a family's points differ only in width."""
+        split = f" k{self.bits}v{self.v_bits}" if self.bits != self.v_bits else ""
+        return self.scheme + split + ("" if self.tail is None else f" tail={self.tail}")
+
+    @property
+    def share_of_fp16(self) -> float:
+        return self.bytes_per_token / self.fp16_bytes_per_token
+
+
+def bytes_per_token(model: Any, spec: SchemeLike, context: int) -> float:
+    """Stored cache bytes of the whole model after `context` tokens under `spec`, divided by `context`."""
+    if context < 1:
+        raise ValueError(f"context must be >= 1 token, got {context}")
+    _, chosen = spec_policy(model, spec)
+    return policy_bytes(chosen, context) / context
+
+
+def size_curves(model: Any, specs: Iterable[SchemeLike], contexts: Sequence[int]) -> dict[str, list[float]]:
+    """Cache bytes per token at each context, per scheme label (the model is probed once per spec)."""
+    if not contexts or min(contexts) < 1:
+        raise ValueError(f"contexts must be a non-empty list of token counts >= 1, got {list(contexts)!r}")
+    out = {}
+    for spec in specs:
+        _, chosen = spec_policy(model, spec)
+        shapes = layer_shapes(chosen)
+        out[chosen.label] = [policy_bytes(chosen, c, shapes) / c for c in contexts]
+    return out
+
+
+def crossover(model: Any, spec: SchemeLike, other: SchemeLike, max_context: int = 65536) -> int | None:
+    """The first context from which `spec`'s cache stays smaller than `other`'s up to `max_context` tokens, or
+    None if it is not smaller there. Exact to the token: kvarn's size drops at every sealed record, so the sizes
+    are compared at every context (only the layers whose storage differs between the two are summed). Sizes are
+    the byte formulas': the cache right after its latest token arrived, token by token (kvarn seals a group one
+    token after it leaves the tail)."""
+    if max_context < 1:
+        raise ValueError(f"max_context must be >= 1, got {max_context}")
+    (_, a), (_, b) = spec_policy(model, spec), spec_policy(model, other)
+    contexts = range(1, max_context + 1)
+    groups = Counter((shape, da.decision, db.decision) for shape, da, db in zip(layer_shapes(a), a.layers, b.layers)
+                     if not da.decision == db.decision == BASELINE)  # fp16 in both: the same bytes
+    diff = np.zeros(max_context)
+    for (shape, da, db), count in groups.items():
+        diff += count * (np.array([layer_bytes(shape, da, c, a.options) for c in contexts])
+                         - np.array([layer_bytes(shape, db, c, b.options) for c in contexts]))
+    if diff[-1] >= 0:
+        return None
+    not_smaller = np.flatnonzero(diff >= 0)
+    return 1 if not_smaller.size == 0 else int(not_smaller[-1]) + 2
+
+
+def first_quantized_context(model: Any, spec: SchemeLike, max_context: int = 1 << 16) -> int | None:
+    """The smallest context at which a layer the scheme takes stores fewer bytes than fp16 (from its byte
+    formula): below it everything is still fp16 (kvarn: sink, live group and tail; affine: 1). None if the
+    policy takes no layer or nothing is quantized up to `max_context`."""
+    _, chosen = spec_policy(model, spec)
+    taken = [(s, d) for s, d in zip(layer_shapes(chosen), chosen.layers) if d.decision != BASELINE]
+    if not taken:
+        return None
+    shape, d = taken[0]
+    return next((c for c in range(1, max_context + 1) if layer_bytes(shape, d.decision, c, chosen.options)
+                 < layer_bytes(shape, BASELINE, c, {})), None)
+
+
+def _widths(scheme: str, values: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(K width, V width) for the report; (None, None) for fp16."""
+    bits = get_scheme(scheme).bits(values)
+    return (bits["k"], bits["v"]) if isinstance(bits, dict) else (bits, bits)
+
+
+def tradeoff_points(result: FidelityResult | dict[str, Any]) -> list[TradeoffPoint]:
+    """One point per scheme of a fidelity run (a `FidelityResult`, or its `to_dict()` as the benchmark JSON
+    files under benchmarks/results/ store it, with or without the surrounding file): the cache's resident
+    bytes at the end of the run per token, and its decode median KL."""
+    if isinstance(result, FidelityResult):
+        result = result.to_dict(per_position=False)
+    data = result.get("result", result)
+    for key in ("model", "prefill", "decode", "schemes"):
+        if key not in data:
+            raise ValueError(f"not a fidelity result: no {key!r} (expected FidelityResult.to_dict() or a "
+                             "benchmarks/results/fidelity-*.json file)")
+    context = data["prefill"] + data["decode"]
+    points = []
+    for s in data["schemes"]:
+        scheme, options = s["scheme"], s.get("options") or {}
+        if scheme not in SCHEMES or s["label"] != scheme_label(scheme, options):
+            continue  # a scheme not registered here, or a probe such as layer_sensitivity's "... layer 3"
+        values = get_scheme(scheme).resolve(**options)
+        points.append(TradeoffPoint(data["model"], s["label"], scheme, *_widths(scheme, values),
+                                    values.get("kv_tail_tokens"), context, s["cache_bytes"] / context,
+                                    s["fp16_bytes"] / context, float(s["decode_median_kl"])))
+    return points

@@ -1,0 +1,164 @@
+"""Equal-memory figures: fidelity against cache bytes per token, cache size against context, gmlx's published
+KL beside ours, and the fixed KL colour scale of the live compare.
+
+Colours are the schemes' registry colours; schemes that appear with several tails differ by dash.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.colors import sample_colorscale
+from plotly.subplots import make_subplots
+
+from ..registry import BASELINE
+from .figures import scheme_color
+
+if TYPE_CHECKING:  # gmlx_lab.tradeoff imports gmlx_lab.viz.sizes, so only the type comes from there
+    from ..tradeoff import TradeoffPoint
+
+__all__ = ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
+
+LAYOUT = {"template": "plotly_white", "margin": {"l": 70, "r": 20, "t": 60, "b": 55}}
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
+KL_SCALE = (1e-5, 1.0)  # nats: the live compare's fixed log colour scale (below: unshaded, above: darkest)
+KL_COLORSCALE = "YlOrRd"
+
+
+def _dashes(families: Sequence[str], scheme_of: dict[str, str], first: int = 0) -> dict[str, str]:
+    """A dash per family, in order within each scheme: the first family of a scheme DASHES[first], the next
+    DASHES[first + 1], ... (cycling over DASHES[first:])."""
+    seen: dict[str, int] = {}
+    out = {}
+    for fam in families:
+        n = seen.get(scheme_of[fam], 0)
+        seen[scheme_of[fam]] = n + 1
+        out[fam] = DASHES[first + n % (len(DASHES) - first)]
+    return out
+
+
+def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, height: int = 420) -> go.Figure:
+    """Decode median KL against cache KiB per token, one line per scheme family (scheme + tail), one marker per
+    width (labelled with its bits); fp16 is the dotted vertical line (KL 0). Points of one model and context.
+
+    Down and to the left is better; a point to the right of another family's line costs more memory for that
+    family's fidelity. Points with KL exactly 0 other than fp16 (nothing quantized) cannot sit on a log axis:
+    they are listed in the title. K and V at different widths (kvarn k8v4) are left out: see the run's table.
+    """
+    if not points:
+        raise ValueError("tradeoff_figure needs at least one TradeoffPoint (from gmlx_lab.tradeoff.tradeoff_points)")
+    models = {(p.model, p.context) for p in points}
+    if len(models) > 1:
+        raise ValueError(f"tradeoff_figure draws one model at one context, got {sorted(models)}: "
+                         "filter the points first")
+    model, context = models.pop()
+    fig = go.Figure()
+    fig.update_layout(**LAYOUT, height=height, yaxis={"type": "log", "dtick": 1, "exponentformat": "e"},
+                      xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
+                      legend_title_text="scheme (width in bits)")
+    fp16 = [p for p in points if p.scheme == BASELINE]
+    zero = [p.label for p in points if p.scheme != BASELINE and p.kl <= 0]
+    rest = [p for p in points if p.scheme != BASELINE and p.kl > 0 and p.bits == p.v_bits]
+    families = list(dict.fromkeys(p.family for p in rest))
+    dash = _dashes(families, {p.family: p.scheme for p in rest})
+    for i, fam in enumerate(families):
+        pts = sorted((p for p in rest if p.family == fam), key=lambda p: p.bytes_per_token)
+        fig.add_scatter(
+            x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts], name=fam, mode="lines+markers+text",
+            text=[f"{p.bits}" for p in pts], textposition="bottom center" if i % 2 else "top center",
+            marker={"size": 8},
+            line={"color": scheme_color(fam), "dash": dash[fam]}, customdata=[p.label for p in pts],
+            hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
+    ref = fp16[0].bytes_per_token if fp16 else points[0].fp16_bytes_per_token
+    fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE),
+                  annotation_text=f"fp16 {ref / 1024:.3g} KiB/token", annotation_position="top left")
+    note = f"; KL 0 (nothing quantized): {', '.join(zero)}" if zero else ""
+    fig.update_layout(title=title or f"{model} at {context} tokens: fidelity against memory{note}")
+    return fig
+
+
+def size_figure(curves: dict[str, Sequence[float]], contexts: Sequence[int],
+                crossings: dict[str, int | None] | None = None, title: str = "cache per token against context",
+                height: int = 380) -> go.Figure:
+    """Cache KiB per token against context (log x), one line per scheme label ({label: bytes per token at each
+    context}, as `gmlx_lab.tradeoff.size_curves` returns); `crossings` marks named contexts ({text: tokens})
+    with vertical lines, e.g. where kvarn becomes smaller than affine (labelled 35.7K above 9999 tokens)."""
+    if not curves:
+        raise ValueError("size_figure needs at least one curve: {label: [bytes per token, ...]}")
+    for label, ys in curves.items():
+        if len(ys) != len(contexts):
+            raise ValueError(f"curve {label!r} has {len(ys)} values for {len(contexts)} contexts")
+    fig = go.Figure()
+    span = [math.log10(min(contexts)), math.log10(max(contexts))]
+    fig.update_layout(**LAYOUT, height=height, title=title, xaxis={"type": "log", "dtick": 1, "range": span},
+                      xaxis_title="context (tokens)", yaxis_title="cache per token of context (KiB)",
+                      yaxis_rangemode="tozero")
+    dash = _dashes(list(curves), {label: label.split()[0].rstrip("0123456789") for label in curves})
+    for label, ys in curves.items():
+        fig.add_scatter(x=list(contexts), y=np.asarray(ys, float) / 1024, name=label, mode="lines",
+                        line={"color": scheme_color(label), "dash": "dot" if label == BASELINE else dash[label]},
+                        hovertemplate="%{x} tokens: %{y:.3g} KiB/token<extra>" + html.escape(label) + "</extra>")
+    for i, (text, at) in enumerate((crossings or {}).items()):
+        if at is not None:
+            fig.add_vline(x=at, line_dash="dash", line_color="#555555", line_width=1)
+            tokens = f"{at}" if at < 10000 else f"{at / 1000:.1f}K"  # 4 significant digits at most
+            fig.add_annotation(x=math.log10(at), y=1 - 0.1 * i, yref="paper", text=f"{text}: {tokens} tokens",
+                               showarrow=False, xanchor="left", bgcolor="rgba(255,255,255,0.8)")  # log axis: log10
+    return fig
+
+
+def published_vs_ours_figure(published: Sequence[dict[str, Any]], ours: Sequence[TradeoffPoint],
+                             published_title: str = "gmlx (published)", ours_title: str | None = None,
+                             height: int = 400) -> go.Figure:
+    """gmlx's published decode median KL per width (rows {"bits": b, scheme: KL, ...}) and ours (points of one
+    run) side by side, on one shared log KL axis. Published lines are solid; ours dashed (dotted for a second
+    family of the same scheme, e.g. another tail)."""
+    if not published or not ours:
+        raise ValueError("published_vs_ours_figure needs published rows and our points")
+    schemes = [k for k in published[0] if k != "bits"]
+    model = ours[0].model
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.1,
+                        subplot_titles=(published_title, ours_title or f"ours: {model}, {ours[0].context} tokens"))
+    for s in schemes:
+        rows = sorted(published, key=lambda r: r["bits"])
+        fig.add_scatter(x=[r["bits"] for r in rows], y=[r[s] for r in rows], name=f"{s} (gmlx)",
+                        mode="lines+markers", line={"color": scheme_color(s), "dash": "solid"}, row=1, col=1,
+                        hovertemplate=f"{s} %{{x}}-bit: KL %{{y:.2e}} nats<extra>gmlx</extra>")
+    rest = [p for p in ours if p.scheme != BASELINE and p.kl > 0 and p.bits == p.v_bits]
+    families = list(dict.fromkeys(p.family for p in rest))
+    order = _dashes(families, {p.family: p.scheme for p in rest}, first=1)
+    for fam in families:
+        pts = sorted((p for p in rest if p.family == fam), key=lambda p: p.bits)
+        fig.add_scatter(x=[p.bits for p in pts], y=[p.kl for p in pts], name=f"{fam} (ours)", mode="lines+markers",
+                        line={"color": scheme_color(fam), "dash": order[fam]}, row=1, col=2,
+                        hovertemplate=f"{html.escape(fam)} %{{x}}-bit: KL %{{y:.2e}} nats<extra>ours</extra>")
+    fig.update_yaxes(type="log", dtick=1, exponentformat="e", title_text="decode median KL vs fp16 (nats)")
+    fig.update_yaxes(showticklabels=True, row=1, col=2)
+    fig.update_xaxes(title_text="code width (bits)", dtick=1)
+    fig.update_layout(**LAYOUT, height=height, title="decode median KL per width: gmlx's model and ours")
+    return fig
+
+
+def kl_color(kl: float) -> str | None:
+    """The live compare's shade for a token's KL (nats) on the fixed log scale KL_SCALE; None below it."""
+    lo, hi = KL_SCALE
+    if not kl >= lo:  # also NaN
+        return None
+    t = min(1.0, (math.log10(kl) - math.log10(lo)) / (math.log10(hi) - math.log10(lo)))
+    return sample_colorscale(KL_COLORSCALE, [t])[0]
+
+
+def kl_legend_html() -> str:
+    """A colour bar for `kl_color`: the fixed log scale with a tick per decade, in nats."""
+    lo, hi = (round(math.log10(v)) for v in KL_SCALE)
+    cells = "".join(
+        f"<span style='display:inline-block;width:48px;text-align:center;background:{kl_color(10.0 ** e)};"
+        f"color:{'#fff' if e >= hi - 1 else '#000'}'>1e{e}</span>" for e in range(lo, hi + 1))
+    return (f"<div style='font-size:12px;line-height:1.4'><b>token shade</b>: KL(fp16 ‖ scheme) in nats {cells}"
+            f"<br><span style='color:#666'>one fixed log scale for every column; below 1e{lo}: unshaded; hover a "
+            "token for its value; the first token that differs from fp16's text is outlined in red</span></div>")
