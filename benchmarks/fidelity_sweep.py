@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     labels: dict[str, list[str]] = {}
     for variant, overrides in variants:
         for spec in unique:
-            chosen = policy(model, *parse(spec), **overrides)
+            scheme, options = parse(spec)
+            chosen = policy(model, scheme, **overrides, **options)
             if chosen.scheme == "fp16" and overrides:
                 continue  # overrides do not apply to the baseline
             runs.append(spec if not overrides else chosen)

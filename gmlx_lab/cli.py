@@ -129,7 +129,11 @@ def spec_policies(model: nn.Module, specs: list[str], args: argparse.Namespace) 
     given = overrides(args)
     if not given:
         return list(specs)
-    return [policy(model, *parse_scheme_spec(spec), **given) for spec in specs]
+    chosen = []
+    for spec in specs:
+        scheme, options = parse_scheme_spec(spec)
+        chosen.append(policy(model, scheme, **given, **options))
+    return chosen
 
 
 # -- subcommands ------------------------------------------------------------------------------------

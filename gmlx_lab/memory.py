@@ -132,7 +132,8 @@ def _layer_memory(cache: Any, d: Any) -> LayerMemory:
     """Bytes by region for one cache entry, with fp16's bytes for the same tokens per region."""
     tokens = getattr(cache, "offset", 0)
     fp16_total = fp16_equivalent(cache, d)
-    per_token = fp16_total / tokens if tokens else 0
+    kept = getattr(cache, "held", tokens)  # a rolling window holds fewer tokens than arrived
+    per_token = fp16_total / kept if kept else 0
     if isinstance(cache, RotatingKVCache) and d.kv_heads is not None:  # the model's window, steady, at fp16
         held = min(tokens, cache.max_size)
         nbytes = d.kv_heads * held * (d.k_head_dim + d.v_head_dim) * 2
@@ -144,7 +145,7 @@ def _layer_memory(cache: Any, d: Any) -> LayerMemory:
     regions, counts = get_scheme(cache.scheme).memory_regions(cache)
     spans_all = counts is None  # every region spans every token (codes and their scales)
     if spans_all:
-        counts = {name: tokens for name in regions}
+        counts = {name: kept for name in regions}
     fp16 = {name: round(per_token * counts[name]) for name in regions}
     if spans_all and len(regions) > 1:  # the fp16 bytes of those tokens, counted once
         fp16 = {name: fp16_total if i == 0 else 0 for i, name in enumerate(regions)}

@@ -162,3 +162,28 @@ def test_quantized_sliding_layers_at_fp16_storage_give_the_stock_logits():
     quantized = _logits(model, gmlx_lab.make_cache(model, "affine", quiet=True, bits=2, quantize_sliding=True),
                         tokens, steps)
     assert mx.abs(quantized - stock).max().item() > 1.0  # the comparison can tell a quantized window apart
+
+
+def test_a_sliding_cache_hands_back_what_rotating_kv_cache_does():
+    """Same key count and the same masks as mlx-lm's RotatingKVCache, update after update, while it rolls."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from gmlx_lab import window
+    from gmlx_lab.cache import FP16Cache
+
+    ours, native = FP16Cache(layer=0), RotatingKVCache(max_size=128)
+    ours.set_window(window.sliding_hold(128))
+    ours.set_sliding(128)
+    for n in (100, 1, 200, 1, 1, 300, 1, 64, 1):
+        for request in (128, None):
+            a, b = ours.make_mask(n, window_size=request), native.make_mask(n, window_size=request)
+            assert (a is None and b is None) or (isinstance(a, str) and a == b) or mx.array_equal(a, b).item()
+        kv = mx.random.normal((1, 1, n, 8))
+        mine, theirs = ours.update_and_fetch(kv, kv)[0], native.update_and_fetch(kv, kv)[0]
+        assert mine.shape == theirs.shape, n
+        assert mx.array_equal(mx.sort(mine[0, 0, :, 0]), mx.sort(theirs[0, 0, :, 0].astype(mx.float16))).item()
+    assert ours.dropped > 0 and ours.held <= window.sliding_hold(128)
+    with pytest.raises(ValueError, match="cannot serve a sliding window of 128; accepted: max_kv_size >= 384"):
+        small = FP16Cache(layer=1)
+        small.set_window(256)
+        small.set_sliding(128)
