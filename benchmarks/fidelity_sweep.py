@@ -33,6 +33,7 @@ from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.fidelity import SWEEPS, FidelityResult, fidelity, scheme_label, single_layer_policy
 from gmlx_lab.fidelity import parse_scheme_spec as parse
 from gmlx_lab.policy import policy
+from gmlx_lab.registry import BASELINE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in unique:
             scheme, options = parse(spec)
             chosen = policy(model, scheme, **overrides, **options)
-            if chosen.scheme == "fp16" and overrides:
+            if chosen.scheme == BASELINE and overrides:
                 continue  # overrides do not apply to the baseline
             runs.append(spec if not overrides else chosen)
             labels.setdefault(variant, []).append(chosen.label)

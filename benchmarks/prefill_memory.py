@@ -25,6 +25,7 @@ from gmlx_lab.cli import MEMORY_SCHEMES, load_model, scheme_list
 from gmlx_lab.fidelity import parse_scheme_spec
 from gmlx_lab.memory import memory_report, prefill_peak
 from gmlx_lab.policy import policy
+from gmlx_lab.registry import BASELINE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_policy(variant)
         for spec in scheme_list(args.schemes):
             scheme, options = parse_scheme_spec(spec)
-            if overrides and scheme == "fp16":
+            if overrides and scheme == BASELINE:
                 continue  # overrides do not apply to the baseline
             runs.append(policy(model, scheme, **overrides, **options) if overrides else spec)
     report = memory_report(model, runs, context=args.context)
