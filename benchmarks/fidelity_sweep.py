@@ -5,11 +5,15 @@
         --schemes affine2,affine4,affine8,kvarn2,kvarn4,kvarn6 --out fidelity-teaching-llama-4k.json
     python benchmarks/fidelity_sweep.py --model smollm2-135m --sweeps none \\
         --schemes fp16,affine2,affine3,affine4,affine6,affine8 --layer-schemes "" --out fidelity-smollm2-135m.json
+    python benchmarks/fidelity_sweep.py --model gemma3-270m --sweeps none --layer-schemes "" --prefill 1024 \\
+        --decode 64 --schemes affine4,kvarn4:tail=128 --policies "default;last;last+sliding"
 
 Sweeps (gmlx_lab.fidelity.SWEEPS): widths (fp16, affine 2-8, kvarn 2-8 at tails 0 and
 128), tails, split (kvarn k8v4 vs k4v8), ladder (affine -> affine_rot -> kvarn at equal
 width); --layer-schemes adds one-layer-at-a-time sensitivity runs. Every run shares
-one fp16 reference.
+one fp16 reference. --policies runs every scheme under each listed policy: "default" (gmlx's rule) or
+overrides joined by "+": last (quantize the last of a deep stack), sliding (sliding-window layers too),
+layers=5/11 (only these layers), fp16=3/4 (keep these fp16); see gmlx_lab.policy.Overrides.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.fidelity import SWEEPS, FidelityResult, fidelity, scheme_label, single_layer_policy
 from gmlx_lab.fidelity import parse_scheme_spec as parse
 from gmlx_lab.policy import policy
+from gmlx_lab.registry import BASELINE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -63,6 +68,29 @@ def expected_checks(result: FidelityResult) -> list[dict[str, Any]]:
     return checks
 
 
+def parse_policy(text: str) -> dict[str, Any]:
+    """One --policies entry as `policy()` override arguments: "default", or "last+sliding+layers=5/11+fp16=3"."""
+    text = text.strip()
+    if text == "default":
+        return {}
+    out: dict[str, Any] = {}
+    for part in (p.strip() for p in text.split("+")):
+        key, _, value = part.partition("=")
+        if part == "last":
+            out["quantize_last"] = True
+        elif part == "sliding":
+            out["quantize_sliding"] = True
+        elif key in ("layers", "fp16") and value:
+            try:
+                out["layers" if key == "layers" else "fp16_layers"] = [int(v) for v in value.split("/")]
+            except ValueError:
+                raise ValueError(f"--policies: {part!r} needs layer indices such as {key}=5/11") from None
+        else:
+            raise ValueError(f"--policies: cannot read {part!r} in {text!r}; accepted: default, or last, sliding, "
+                             "layers=5/11, fp16=3 joined by '+'")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the bundled teaching-llama")
@@ -76,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="specs for one-layer-at-a-time sensitivity runs ('' for none)")
     parser.add_argument("--out", default=None, help="file name under benchmarks/results/ (default from the model)")
     parser.add_argument("--note", default="", help="a caveat stored with the results")
+    parser.add_argument("--policies", default="default",
+                        help="';'-separated policies each scheme runs under: default, or overrides such as "
+                             "last+sliding, layers=5/11, fp16=3 (default: default)")
     args = parser.parse_args(argv)
 
     specs: list[str] = []
@@ -95,7 +126,20 @@ def main(argv: list[str] | None = None) -> int:
         if label not in seen:
             seen.add(label)
             unique.append(spec)
+    variants = [(v.strip(), parse_policy(v)) for v in args.policies.split(";") if v.strip()]
     model, tokenizer = load_model(args.model)
+    runs: list[Any] = []  # spec strings (the default policy) and Policy objects (overridden)
+    labels: dict[str, list[str]] = {}
+    for variant, overrides in variants:
+        for spec in unique:
+            scheme, options = parse(spec)
+            chosen = policy(model, scheme, **overrides, **options)
+            if chosen.scheme == BASELINE and overrides:
+                continue  # overrides do not apply to the baseline
+            runs.append(spec if not overrides else chosen)
+            labels.setdefault(variant, []).append(chosen.label)
+    if len(variants) > 1 or variants[0][1]:
+        sections.update({f"policy {v}": ls for v, ls in labels.items()})
     layer_specs = scheme_list(args.layer_schemes) if args.layer_schemes.strip() else []
     probes, probe_labels = [], []
     for spec in layer_specs:
@@ -109,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = encode(tokenizer, model, Path(args.text_file).read_text(encoding="utf-8"))
     t0 = time.perf_counter()
-    result = fidelity(model, tokenizer, tokens, unique + probes, prefill=args.prefill, decode=args.decode,
+    result = fidelity(model, tokenizer, tokens, runs + probes, prefill=args.prefill, decode=args.decode,
                       prefill_step=args.prefill_step, progress=True)
-    for s, label in zip(result.schemes[len(unique):], probe_labels):
+    for s, label in zip(result.schemes[len(runs):], probe_labels):
         s.label = label
     seconds = time.perf_counter() - t0
     checks = expected_checks(result)
@@ -120,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(), "seconds": round(seconds, 1), "text_file": Path(args.text_file).name,
-        "note": args.note,
+        "note": args.note, "policies": {v: o for v, o in variants},
         "sections": sections, "expected_checks": checks, "markdown": result.to_markdown(),
         "schemes": [s.summary() for s in result.schemes],  # one flat row per scheme
         "result": result.to_dict(per_position=False),

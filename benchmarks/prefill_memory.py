@@ -2,10 +2,13 @@
 
     python benchmarks/prefill_memory.py                  # teaching-llama, 4096 tokens
     python benchmarks/prefill_memory.py --context 8192 --steps 256,512,1024,2048,4096
+    python benchmarks/prefill_memory.py --model gemma3-270m --context 1024 --peak-schemes "" \\
+        --schemes fp16,affine4,kvarn4:tail=128 --policies "default;last;last+sliding"
 
 Peak memory is MLX's own counter (mx.reset_peak_memory / mx.get_peak_memory), which
 the CPU backend keeps too; `above_start` leaves out what was allocated before the
-prefill (the weights). Writes benchmarks/results/memory-<model>.json.
+prefill (the weights). Writes benchmarks/results/memory-<model>.json. --policies: as in fidelity_sweep.py
+(each scheme under gmlx's rule and under overrides such as last+sliding).
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-from fidelity_sweep import RESULTS, machine
+from fidelity_sweep import RESULTS, machine, parse_policy
 
 from gmlx_lab.cli import MEMORY_SCHEMES, load_model, scheme_list
+from gmlx_lab.fidelity import parse_scheme_spec
 from gmlx_lab.memory import memory_report, prefill_peak
+from gmlx_lab.policy import policy
+from gmlx_lab.registry import BASELINE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,19 +33,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default: the bundled teaching-llama")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--schemes", default=MEMORY_SCHEMES)
-    parser.add_argument("--peak-schemes", default="fp16,affine4,kvarn6")
+    parser.add_argument("--peak-schemes", default="fp16,affine4,kvarn6", help="'' for no peak measurement")
+    parser.add_argument("--policies", default="default", help="';'-separated: default, or overrides such as "
+                                                                "last+sliding (see fidelity_sweep.py)")
     parser.add_argument("--steps", default="256,512,1024,2048,4096", help="prefill step sizes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     steps = [int(s) for s in args.steps.split(",")]
     model, _ = load_model(args.model)
 
-    report = memory_report(model, scheme_list(args.schemes), context=args.context)
+    runs = []
+    for variant in (v for v in args.policies.split(";") if v.strip()):
+        overrides = parse_policy(variant)
+        for spec in scheme_list(args.schemes):
+            scheme, options = parse_scheme_spec(spec)
+            if overrides and scheme == BASELINE:
+                continue  # overrides do not apply to the baseline
+            runs.append(policy(model, scheme, **overrides, **options) if overrides else spec)
+    report = memory_report(model, runs, context=args.context)
     print(report.to_markdown())
     peaks = []
     from tqdm import tqdm
 
-    for spec in tqdm(scheme_list(args.peak_schemes), desc="prefill peak", file=sys.stderr):
+    peak_specs = scheme_list(args.peak_schemes) if args.peak_schemes.strip() else []
+    for spec in tqdm(peak_specs, desc="prefill peak", file=sys.stderr):
         peaks += prefill_peak(model, spec, context=args.context, steps=steps)
     print("\n| scheme | step | peak MiB | above start MiB | cache MiB | s |\n|---|---|---|---|---|---|")
     for p in peaks:
@@ -48,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.out or f"memory-{report.model}.json"
     out = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "markdown": report.to_markdown(), "resident": report.to_dict(),
+           "machine": machine(), "policies": args.policies, "markdown": report.to_markdown(),
+           "resident": report.to_dict(),
            "prefill_peak": peaks}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")

@@ -10,6 +10,8 @@
     gmlx-lab lab                               # JupyterLab on the notebooks/ folder
     gmlx-lab --plugin my_scheme fidelity --schemes affine4,mine4   # a plug-in registers its schemes first
 
+Overrides of gmlx's per-layer rule, for exploration (compare, fidelity, memory, policy): `--quantize-layers 5,11`
+(only these), `--fp16-layers 3`, `--quantize-last`, `--quantize-sliding` (see gmlx_lab.policy.Overrides).
 `--model` picks the model: the bundled teaching-llama by default, "smollm2-135m", "gemma3-270m",
 a specimen family (llama, gpt_oss, ...: random weights, no tokenizer) or a folder.
 Errors print one line, `gmlx-lab: error: ...`, and exit non-zero.
@@ -93,6 +95,47 @@ def scheme_list(text: str, extra: tuple[str, ...] = ()) -> list[str]:
     return specs
 
 
+def layer_list(text: str | None, flag: str) -> list[int] | None:
+    """"5,11" -> [5, 11] (None stays None); the policy checks the range against the model."""
+    if text is None:
+        return None
+    try:
+        return number_list(text)
+    except ValueError as err:
+        raise ValueError(f"{flag} {text!r}: {err}; accepted: comma-separated layer indices such as 5,11") from None
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The policy override arguments given on the command line (empty: gmlx's rule)."""
+    out: dict[str, Any] = {}
+    chosen = layer_list(args.quantize_layers, "--quantize-layers")
+    kept = layer_list(args.fp16_layers, "--fp16-layers")
+    if chosen is not None:
+        out["layers"] = chosen
+    if kept is not None:
+        out["fp16_layers"] = kept
+    if args.quantize_last:
+        out["quantize_last"] = True
+    if args.quantize_sliding:
+        out["quantize_sliding"] = True
+    return out
+
+
+def spec_policies(model: nn.Module, specs: list[str], args: argparse.Namespace) -> list[Any]:
+    """The specs as they are (gmlx's rule), or as Policy objects with the command line's overrides."""
+    from .fidelity import parse_scheme_spec
+    from .policy import policy
+
+    given = overrides(args)
+    if not given:
+        return list(specs)
+    chosen = []
+    for spec in specs:
+        scheme, options = parse_scheme_spec(spec)
+        chosen.append(policy(model, scheme, **given, **options))
+    return chosen
+
+
 # -- subcommands ------------------------------------------------------------------------------------
 
 
@@ -105,7 +148,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
     reports = []
     for spec in specs:
         scheme, options = parse_scheme_spec(spec)
-        chosen = policy(model, scheme, **options)
+        chosen = policy(model, scheme, **overrides(args), **options)
         reports.append(chosen.as_dict())
         if args.json:
             continue
@@ -133,9 +176,11 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
               "progress": not args.quiet}
     t0 = time.perf_counter()
     if args.sweep == "layers":
+        if overrides(args):
+            raise ValueError("--sweep layers quantizes one layer at a time: it takes no policy overrides")
         result = layer_sensitivity(model, tokenizer, tokens, specs[0], **common)
     else:
-        result = fidelity(model, tokenizer, tokens, specs, **common)
+        result = fidelity(model, tokenizer, tokens, spec_policies(model, specs, args), **common)
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({**result.to_dict(per_position=False), "seconds": round(seconds, 1)}, indent=2))
@@ -150,7 +195,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     specs = scheme_list(args.schemes)
     model, _ = load_model(args.model)
-    report = memory_report(model, specs, context=args.context, max_kv_size=args.max_kv_size)
+    report = memory_report(model, spec_policies(model, specs, args), context=args.context,
+                           max_kv_size=args.max_kv_size)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
@@ -182,7 +228,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = []
     for spec in specs:
         scheme, options = parse_scheme_spec(spec)
-        chosen = policy(model, scheme, max_kv_size=args.max_kv_size, **options)
+        chosen = policy(model, scheme, max_kv_size=args.max_kv_size, **overrides(args), **options)
         cache = chosen.make_cache()
         tokens, prefill_s, rate = greedy(model, prompt, cache, args.max_tokens)
         report = audit(cache)
@@ -346,8 +392,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="teaching-llama (default), smollm2-135m, gemma3-270m, a specimen family or a model folder")
     quiet = argparse.ArgumentParser(add_help=False)
     quiet.add_argument("--quiet", action="store_true", help="no progress bars")
+    override = argparse.ArgumentParser(add_help=False)
+    group = override.add_argument_group("policy overrides (exploration; default: gmlx's rule)")
+    group.add_argument("--quantize-layers", default=None, metavar="5,11",
+                       help="quantize only these layers (by cache index), the last or sliding ones too")
+    group.add_argument("--fp16-layers", default=None, metavar="3", help="keep these layers fp16")
+    group.add_argument("--quantize-last", action="store_true", help="also quantize the last layer of a deep stack")
+    group.add_argument("--quantize-sliding", action="store_true",
+                       help="also quantize sliding-window layers (rolling windows attended with the model's mask)")
 
-    p = sub.add_parser("compare", parents=[model], help="greedy generation under several schemes, side by side")
+    p = sub.add_parser("compare", parents=[model, override],
+                       help="greedy generation under several schemes, side by side")
     p.add_argument("--schemes", default=COMPARE_SCHEMES, help=f"comma-separated specs (default {COMPARE_SCHEMES})")
     p.add_argument("--prompt", default=None, help="prompt text (default: the start of --prompt-file)")
     p.add_argument("--prompt-file", default=None, help="default: the bundled evaluation text")
@@ -357,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rolling window: the attention layers keep this many tokens (sink + newest), quantized")
     p.set_defaults(run=cmd_compare)
 
-    p = sub.add_parser("fidelity", parents=[model, quiet], help="teacher-forced KL against the fp16 cache")
+    p = sub.add_parser("fidelity", parents=[model, quiet, override], help="teacher-forced KL against the fp16 cache")
     p.add_argument("--schemes", default=FIDELITY_SCHEMES, help=f"comma-separated specs (default {FIDELITY_SCHEMES})")
     p.add_argument("--sweep", default=None, choices=["widths", "tails", "split", "ladder", "layers"],
                    help="a named sweep instead of --schemes (layers: the first --schemes entry, one layer at a time)")
@@ -368,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(run=cmd_fidelity)
 
-    p = sub.add_parser("policy", help="the [kv] line and per-layer decisions for a model")
+    p = sub.add_parser("policy", parents=[override], help="the [kv] line and per-layer decisions for a model")
     p.add_argument("model_name", metavar="MODEL", nargs="?", default=None,
                    help="teaching-llama (default), a specimen family (llama, gpt_oss, ...), smollm2-135m, gemma3-270m "
                         "or a folder")
@@ -376,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the kv_quant dicts as JSON")
     p.set_defaults(run=cmd_policy)
 
-    p = sub.add_parser("memory", parents=[model], help="resident cache bytes per scheme, layer and region")
+    p = sub.add_parser("memory", parents=[model, override], help="resident cache bytes per scheme, layer and region")
     p.add_argument("--context", type=count, default=4096, help="tokens in the cache (default 4096)")
     p.add_argument("--max-kv-size", type=count, default=None,
                    help="rolling window: the attention layers keep this many tokens (sink + newest), quantized")

@@ -5,6 +5,11 @@ then replays every layer's real K/V into each scheme's cache (bytes depend only 
 shapes, so this gives the exact resident bytes of a real run without one model pass
 per scheme). `prefill_peak` measures MLX's peak memory during prefill at several
 prefill step sizes (mx.get_peak_memory works on the CPU backend too).
+
+A model's own sliding-window layers (mlx-lm's RotatingKVCache) count their steady state at fp16: the window's
+tokens (right after a prefill chunk RotatingKVCache briefly holds window - 1 + chunk tokens, in the model's
+dtype: float32 on this CPU; the next token trims it). Sliding layers a policy override quantizes are our
+caches and count what they hold, like any other.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import RotatingKVCache
 
 from .cache import FP16Cache, GmlxCache
 from .fidelity import SchemeLike, fp16_equivalent, spec_policy
-from .policy import policy
+from .policy import PromptCache, policy
 from .registry import BASELINE, get_scheme
 
 __all__ = ["LayerMemory", "MemoryReport", "SchemeMemory", "memory_report", "prefill_peak"]
@@ -126,7 +132,12 @@ def _layer_memory(cache: Any, d: Any) -> LayerMemory:
     """Bytes by region for one cache entry, with fp16's bytes for the same tokens per region."""
     tokens = getattr(cache, "offset", 0)
     fp16_total = fp16_equivalent(cache, d)
-    per_token = fp16_total / tokens if tokens else 0
+    kept = getattr(cache, "held", tokens)  # a rolling window holds fewer tokens than arrived
+    per_token = fp16_total / kept if kept else 0
+    if isinstance(cache, RotatingKVCache) and d.kv_heads is not None:  # the model's window, steady, at fp16
+        held = min(tokens, cache.max_size)
+        nbytes = d.kv_heads * held * (d.k_head_dim + d.v_head_dim) * 2
+        return LayerMemory(d.index, d.decision, tokens, {"window": nbytes}, {"window": held}, {"window": nbytes}, 0)
     if not isinstance(cache, GmlxCache):
         return LayerMemory(d.index, d.decision, tokens, {"native": cache.nbytes}, {"native": tokens},
                            {"native": cache.nbytes}, 0)
@@ -134,11 +145,23 @@ def _layer_memory(cache: Any, d: Any) -> LayerMemory:
     regions, counts = get_scheme(cache.scheme).memory_regions(cache)
     spans_all = counts is None  # every region spans every token (codes and their scales)
     if spans_all:
-        counts = {name: tokens for name in regions}
+        counts = {name: kept for name in regions}
     fp16 = {name: round(per_token * counts[name]) for name in regions}
     if spans_all and len(regions) > 1:  # the fp16 bytes of those tokens, counted once
         fp16 = {name: fp16_total if i == 0 else 0 for i, name in enumerate(regions)}
     return LayerMemory(d.index, d.decision, tokens, regions, counts, fp16, reserve)
+
+
+def stream_cache(model: nn.Module) -> PromptCache:
+    """fp16 caches that hold every token of every attention layer, sliding ones too: the K/V stream a memory
+    report replays into each scheme's caches. (The model builds its sliding mask from the first sliding layer's
+    cache; all of them are FP16Caches here, so the mask spans every token and keeps the model's window.)"""
+    chosen = policy(model, BASELINE)
+    out = chosen.make_cache()
+    for i, d in enumerate(chosen.layers):
+        if d.kind == "sliding-window":
+            out[i] = FP16Cache(layer=d.index)
+    return out
 
 
 def memory_report(model: nn.Module, schemes: Iterable[SchemeLike] = ("fp16", "affine4", "affine8", "kvarn4",
@@ -161,21 +184,21 @@ def memory_report(model: nn.Module, schemes: Iterable[SchemeLike] = ("fp16", "af
         ids = mx.array(tokens, dtype=mx.int32).reshape(-1)[:context]
         if ids.size < context:
             raise ValueError(f"context {context} needs {context} tokens, got {ids.size}")
-    ref_policy = policy(model, BASELINE)
-    ref = ref_policy.make_cache()
+    ref = stream_cache(model)
     for start in range(0, context, chunk):
         mx.eval(model(ids[None, start:start + chunk], cache=ref))
-    report = MemoryReport(getattr(model, "gmlx_name", None) or ref_policy.name, context)
+    report = MemoryReport(getattr(model, "gmlx_name", None) or ref.policy.name, context)
     for _, chosen in candidates:
         cache = chosen.windowed(max_kv_size).make_cache()
         for i, (entry, source) in enumerate(zip(cache, ref)):
-            if isinstance(entry, GmlxCache) and isinstance(source, FP16Cache):
+            if isinstance(entry, (GmlxCache, RotatingKVCache)) and isinstance(source, FP16Cache):
                 keys, values = source.state[:2]
                 for start in range(0, context, chunk):
                     k, v = entry.update_and_fetch(keys[..., start:start + chunk, :].astype(mx.float32),
                                                   values[..., start:start + chunk, :].astype(mx.float32))
                     mx.eval(k, v)
-                entry.settle()  # what the next token would do first: seal due records, roll a window
+                if isinstance(entry, GmlxCache):
+                    entry.settle()  # what the next token would do first: seal due records, roll a window
             else:
                 cache[i] = source  # the model's own entry (window, recurrent): the same under every scheme
         report.schemes.append(SchemeMemory(chosen.label, [_layer_memory(c, d) for c, d in

@@ -13,6 +13,17 @@ no layer runs fp16 and the summary says why; nothing falls back to another schem
 One knowing difference from gmlx: gmlx keeps Kimi K2 fp16 under affine as well,
 but Kimi K2's cache has exactly DeepSeek-V3's latent shape, so a shape-only
 policy packs it with affine like DeepSeek-V3.
+
+Overrides, for exploration (`Overrides`; the default is gmlx's rule): `layers` quantizes only the listed
+layers, `fp16_layers` keeps the listed ones fp16, `quantize_last` quantizes the last of a deep stack, and
+`quantize_sliding` the sliding-window layers. A quantized sliding layer holds a rolling window of the
+scheme's cache (gmlx_lab/window.py: the 128-token sink and whole groups of 128; `sliding_hold` tokens, at
+least the model's window plus two groups) and hands the model what mlx-lm's RotatingKVCache would: the
+newest window - 1 tokens before each update, then the update, with RotatingKVCache's masks
+(`GmlxCache.set_sliding`). So the model's own sliding mask, which mlx-lm builds once from the first
+sliding layer's cache and gives to every sliding layer, fits each of them, quantized or not; the sink the
+rolling window keeps is held but never attended. Every override is named in the [kv] line and, per layer
+with its reason, in `as_dict()`.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ class LayerDecision:
     kv_heads: int | None = None
     k_head_dim: int | None = None
     v_head_dim: int | None = None
+    window: int | None = None  # a sliding-window layer's window: the tokens each query sees
 
     @property
     def grows(self) -> bool:
@@ -86,6 +98,114 @@ def _decide(index: int, n: int, kind: str, kdim: int | None, vdim: int | None,
     return scheme.name, scheme.reason_taken(kind, kdim, vdim, options)
 
 
+OVERRIDE = "override: "  # the start of every reason an override gave
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Exploration beyond gmlx's rule (the default, all unset): which layers to quantize anyway or keep fp16.
+
+    layers: quantize only these (rule-kept ones too: the last of the stack, sliding windows); fp16_layers:
+    keep these fp16; quantize_last: also the last of a deep stack; quantize_sliding: also every sliding-window
+    layer. A layer the scheme itself cannot take (head dim, latent cache) stays fp16 with the scheme's reason.
+    """
+
+    layers: tuple[int, ...] | None = None
+    fp16_layers: tuple[int, ...] = ()
+    quantize_last: bool = False
+    quantize_sliding: bool = False
+
+    def __bool__(self) -> bool:
+        return self.layers is not None or bool(self.fp16_layers) or self.quantize_last or self.quantize_sliding
+
+    def suffix(self) -> str:
+        """What the label adds, e.g. " +layers 5,11 +last +sliding -fp16 3"."""
+        parts = [f"+layers {','.join(map(str, self.layers))}"] if self.layers is not None else []
+        parts += ["+last"] * self.quantize_last + ["+sliding"] * self.quantize_sliding
+        parts += [f"-fp16 {','.join(map(str, self.fp16_layers))}"] if self.fp16_layers else []
+        return "".join(" " + p for p in parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layers": None if self.layers is None else list(self.layers), "fp16_layers": list(self.fp16_layers),
+                "quantize_last": self.quantize_last, "quantize_sliding": self.quantize_sliding}
+
+
+def check_overrides(layers: Any, fp16_layers: Any, quantize_last: Any, quantize_sliding: Any,
+                    kinds: list[str], where: str) -> Overrides:
+    """Overrides from the arguments of `policy`, or a ValueError naming what was wrong and what is accepted."""
+    n = len(kinds)
+
+    def indices(value: Any, arg: str) -> tuple[int, ...]:
+        items = [value] if isinstance(value, int) else value
+        try:
+            items = list(items)
+        except TypeError:
+            raise ValueError(f"{where}: {arg}={value!r}; accepted: a list of layer indices 0..{n - 1}") from None
+        for i in items:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                raise ValueError(f"{where}: {arg} has {i!r}; accepted: layer indices 0..{n - 1} (the model has "
+                                 f"{n} cache entries)")
+        return tuple(sorted(set(items)))
+
+    for arg, flag in (("quantize_last", quantize_last), ("quantize_sliding", quantize_sliding)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{where}: {arg}={flag!r}; accepted: True or False")
+    chosen = None if layers is None else indices(layers, "layers")
+    kept = () if fp16_layers is None else indices(fp16_layers, "fp16_layers")
+    if chosen is not None:
+        if not chosen:
+            raise ValueError(f"{where}: layers=[] quantizes nothing; use the fp16 scheme, or list layers 0..{n - 1}")
+        both = sorted(set(chosen) & set(kept))
+        if both:
+            raise ValueError(f"{where}: layers {both} are both in layers (quantize) and fp16_layers (keep fp16)")
+        for i in chosen:
+            if kinds[i] in ("recurrent", "other"):
+                takes = [j for j, k in enumerate(kinds) if k not in ("recurrent", "other")]
+                raise ValueError(f"{where}: layer {i} is {kinds[i]} state, no K/V cache to quantize; accepted: "
+                                 f"the attention layers {','.join(map(str, takes))}")
+    return Overrides(chosen, kept, quantize_last, quantize_sliding)
+
+
+def _override(d: LayerDecision, native: Any, scheme: Scheme, options: dict[str, Any], ov: Overrides) -> None:
+    """Apply the overrides to one layer's rule decision `d` (in place)."""
+    if d.index in ov.fp16_layers:
+        d.decision, d.reason = BASELINE, OVERRIDE + "kept fp16 by request (fp16_layers)"
+        return
+    if ov.layers is not None and d.index in ov.layers:
+        ask = f"quantized by request (layers={list(ov.layers)})"
+    elif ov.quantize_last and d.reason == "last of deep stack":
+        ask = "last of deep stack, quantized by request"
+    elif ov.quantize_sliding and d.kind == "sliding-window":
+        ask = "sliding window, quantized by request"
+    else:
+        if ov.layers is not None and d.decision != BASELINE:
+            d.decision, d.reason = BASELINE, OVERRIDE + f"fp16, not in layers={list(ov.layers)}"
+        return
+    declined = scheme.declines(d.kind, d.k_head_dim, d.v_head_dim, options)
+    how = ""
+    if declined is None and d.kind == "sliding-window":
+        declined, how = _sliding_check(d, native, scheme, options)
+    if declined is not None:
+        d.decision, d.reason = BASELINE, f"{declined} ({OVERRIDE}{ask}: {scheme.name} declines)"
+        return
+    taken = scheme.reason_taken(d.kind, d.k_head_dim, d.v_head_dim, options)
+    extra = "" if taken == "growing attention" else f"; {taken.removeprefix('growing attention, ')}"
+    d.decision, d.reason = scheme.name, OVERRIDE + ask + how + extra
+
+
+def _sliding_check(d: LayerDecision, native: Any, scheme: Scheme, options: dict[str, Any]) -> tuple[str | None, str]:
+    """(why the scheme cannot serve this sliding layer or None, how it serves it) -- see the module docstring."""
+    if getattr(native, "keep", 0):
+        return f"RotatingKVCache keep={native.keep}: only windows without kept tokens are served", ""
+    hold = window.sliding_hold(d.window, options.get("kv_tail_tokens"))
+    try:
+        scheme.check_window(hold, options, f"layer {d.index}")
+    except ValueError as err:
+        return f"no rolling window for a sliding layer: {err}", ""
+    return None, (f" (the model's {d.window}-token sliding mask; a rolling window of up to {hold} tokens, its "
+                  "128-token sink held, not attended)")
+
+
 def _group(indices: list[int]) -> str:
     return ("layer " if len(indices) == 1 else "layers ") + ",".join(map(str, indices))
 
@@ -94,14 +214,16 @@ class Policy:
     """A scheme applied to one model, layer by layer: `str()` is the [kv] line, `as_dict()` the report."""
 
     def __init__(self, model: nn.Module, name: str, scheme: str, options: dict[str, Any],
-                 layers: list[LayerDecision], max_kv_size: int | None = None):
+                 layers: list[LayerDecision], max_kv_size: int | None = None, overrides: Overrides | None = None):
         self.model, self.name, self.scheme, self.options, self.layers = model, name, scheme, options, layers
         self.max_kv_size = max_kv_size  # the rolling window of the growing attention layers (window.py)
+        self.overrides = overrides or Overrides()  # exploration beyond gmlx's rule (default: none)
         self.fallbacks: dict[str, str] = {}  # kernels that failed their self-check, set by make_cache
 
     @property
     def label(self) -> str:
-        return get_scheme(self.scheme).label(self.options)
+        """The scheme's label, with the overrides (e.g. `kvarn4 tail=128 +last +sliding`)."""
+        return get_scheme(self.scheme).label(self.options) + self.overrides.suffix()
 
     @property
     def quantized(self) -> list[LayerDecision]:
@@ -113,11 +235,14 @@ class Policy:
         for d in self.layers:
             if d.decision == BASELINE and (d.grows or self.scheme == BASELINE):
                 reasons.setdefault(d.reason, []).append(d.index)
-        others: dict[str, int] = {}
+        others: dict[str, list[int]] = {}  # kind -> [entries, quantized]
         for d in self.layers:
             if not d.grows:
-                others[d.kind] = others.get(d.kind, 0) + 1
-        extra = "".join(f", {n} {kind} fp16" for kind, n in others.items())
+                count = others.setdefault(d.kind, [0, 0])
+                count[0] += 1
+                count[1] += d.decision != BASELINE
+        extra = "".join(f", {n} {kind} fp16" if not q else f", {q}/{n} {kind} quantized"
+                        for kind, (n, q) in others.items())
         why = "; ".join(f"{_group(ix)} fp16: {r}" for r, ix in reasons.items() if r != "fp16 scheme")
         if self.scheme == BASELINE:
             return f"[kv] {self.name}: {BASELINE} -> {len(growing)} attn layers {BASELINE}{extra}{self._notes()}"
@@ -127,12 +252,18 @@ class Policy:
             return (f"[kv] {self.name}: {self.label} -> no layer can use {self.scheme} ({why}) -> running "
                     f"{BASELINE}{note}")
         detail = f" ({why})" if why else ""
-        done = f"{len(self.quantized)}/{len(growing)}"
+        done = f"{sum(d.decision != BASELINE for d in growing)}/{len(growing)}"
         return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._notes()}"
 
     def _notes(self) -> str:
         """What the [kv] line adds: the rolling window, and kernels that failed their self-check."""
         notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
+        said: dict[str, list[int]] = {}  # overrides not among the fp16 reasons already (quantized, not attention)
+        for d in self.layers:
+            if OVERRIDE in d.reason and not (d.grows and d.decision == BASELINE):
+                said.setdefault(d.reason, []).append(d.index)
+        for reason, ix in reversed(said.items()):
+            notes.insert(0, f"{_group(ix)} {reason}")
         ext = [d.index for d in self.quantized if "extension" in d.reason]
         if ext:
             notes.insert(0, f"{_group(ext)} by the head-dim extension: records outside gmlx's format")
@@ -155,12 +286,14 @@ class Policy:
             "kernel_fallbacks": dict(self.fallbacks),
             "quantized_layers": len(self.quantized),
             "attention_layers": sum(d.grows for d in self.layers),
+            "quantized_sliding_layers": sum(d.kind == "sliding-window" for d in self.quantized),
+            "overrides": self.overrides.as_dict(),
             "layers": [asdict(d) for d in self.layers],
         }
 
     def windowed(self, max_kv_size: int | None) -> Policy:
         """The same decisions with a rolling window of `max_kv_size` tokens on the growing attention layers."""
-        chosen = Policy(self.model, self.name, self.scheme, self.options, self.layers, max_kv_size)
+        chosen = Policy(self.model, self.name, self.scheme, self.options, self.layers, max_kv_size, self.overrides)
         if max_kv_size is not None:  # the quantized layers roll as their scheme says, fp16 ones by the shared rule
             where = f"{self.name}: {self.label}"
             if self.quantized:
@@ -175,6 +308,9 @@ class Policy:
         for d, native in zip(self.layers, make_prompt_cache(self.model)):
             if d.decision != BASELINE:
                 out.append(get_scheme(d.decision).make_cache(self.options, layer=d.index))
+                if d.kind == "sliding-window":  # serves the model's window (see the module docstring)
+                    out[-1].set_window(window.sliding_hold(d.window, self.options.get("kv_tail_tokens")))
+                    out[-1].set_sliding(d.window)
             elif d.kind == "attention":
                 out.append(get_scheme(BASELINE).make_cache({}, layer=d.index))
             else:
@@ -227,31 +363,43 @@ def model_name(model: nn.Module) -> str:
 
 
 def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, max_kv_size: int | None = None,
-           **options: Any) -> Policy:
+           layers: list[int] | None = None, fp16_layers: list[int] | None = None, quantize_last: bool = False,
+           quantize_sliding: bool = False, **options: Any) -> Policy:
     """Decide, for each of the model's cache entries, how `scheme` stores it and why.
 
     `max_kv_size`: make the growing attention layers rolling windows of that many tokens (gmlx's --max-kv-size),
     quantized under the scheme; a window a layer cannot roll (kvarn: smaller than sink + tail + two groups) is
-    refused here."""
+    refused here. `layers`, `fp16_layers`, `quantize_last`, `quantize_sliding`: overrides of gmlx's rule for
+    exploration (see `Overrides` and the module docstring); bad indices raise a ValueError naming the range."""
     spec = get_scheme(scheme)
     values = spec.resolve(**options)
     probed = probe_layers(model)
-    layers = []
+    display = name or model_name(model)
+    ov = check_overrides(layers, fp16_layers, quantize_last, quantize_sliding, [p[1] for p in probed], display)
+    if scheme == BASELINE:
+        ov = Overrides()  # the baseline quantizes nothing: overrides do not apply to it
+    decided = []
     for i, (cache, kind, kshape, vshape) in enumerate(probed):
         kdim = kshape[-1] if kshape else None
         vdim = vshape[-1] if vshape else None
         decision, reason = _decide(i, len(probed), kind, kdim, vdim, spec, values)
-        layers.append(LayerDecision(i, kind, decision, reason, type(cache).__name__,
-                                    kshape[1] if kshape else None, kdim, vdim))
-    return Policy(model, name or model_name(model), scheme, values, layers).windowed(max_kv_size)
+        d = LayerDecision(i, kind, decision, reason, type(cache).__name__, kshape[1] if kshape else None, kdim, vdim,
+                          cache.max_size if kind == "sliding-window" else None)
+        if ov:
+            _override(d, cache, spec, values, ov)
+        decided.append(d)
+    return Policy(model, display, scheme, values, decided, overrides=ov).windowed(max_kv_size)
 
 
 def make_cache(model: nn.Module, scheme: str = "kvarn", *, quiet: bool = False, name: str | None = None,
-               max_kv_size: int | None = None, **options: Any) -> PromptCache:
+               max_kv_size: int | None = None, layers: list[int] | None = None, fp16_layers: list[int] | None = None,
+               quantize_last: bool = False, quantize_sliding: bool = False, **options: Any) -> PromptCache:
     """Apply the policy and return the caches to pass as `prompt_cache`; prints the [kv] line unless quiet.
 
-    `max_kv_size`: rolling windows of that many tokens for the growing attention layers (see `policy`)."""
-    chosen = policy(model, scheme, name=name, max_kv_size=max_kv_size, **options)
+    `max_kv_size`: rolling windows of that many tokens for the growing attention layers; `layers`,
+    `fp16_layers`, `quantize_last`, `quantize_sliding`: overrides of gmlx's rule (see `policy`)."""
+    chosen = policy(model, scheme, name=name, max_kv_size=max_kv_size, layers=layers, fp16_layers=fp16_layers,
+                    quantize_last=quantize_last, quantize_sliding=quantize_sliding, **options)
     cache = chosen.make_cache()  # first: the [kv] line then says if a kernel failed its self-check
     if not quiet:
         print(chosen, file=sys.stdout)

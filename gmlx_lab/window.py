@@ -6,9 +6,20 @@ oldest first in groups of 128 (kvarn's records, 128 tokens each) whenever the ca
 `max_kv_size` tokens. The tokens of the latest update never leave before the next update (kvarn: only
 sealed records leave), so a prompt chunk's queries see the whole chunk and the window as it stands after
 it, and token by token each query sees its own window. Token positions (RoPE) keep counting every token.
+
+A model's own sliding-window layers (Gemma 3: 512 tokens, mlx-lm's RotatingKVCache) are another thing: each
+query sees exactly the newest `window_size` tokens, no sink. A layer of ours that serves one (the policy
+override `quantize_sliding`) holds a rolling window of `sliding_hold` tokens under the rule above, always
+enough for the model's window, and hands the model the K/V and masks RotatingKVCache would (`sliding_keys`,
+`sliding_mask`), so the model's own sliding mask applies unchanged.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 from .records import SINK_TOKENS, TILE, region_tokens
 
@@ -64,3 +75,32 @@ def kvarn_regions(context: int, kv_tail_tokens: int, max_kv_size: int | None) ->
     regions = region_tokens(context, kv_tail_tokens)
     dropped = dropped_tokens(context, max_kv_size)
     return {**regions, "body": regions["body"] - dropped, "dropped": dropped}
+
+
+def sliding_hold(window_size: int, kv_tail_tokens: int | None = None) -> int:
+    """The rolling window a layer serving a model's sliding window of `window_size` tokens holds: once it drops,
+    it keeps >= max_kv_size - 255 tokens after the sink, which must cover the window_size - 1 newest before an
+    update; and a kvarn window needs its sink, tail and two groups (`minimum`)."""
+    return max(window_size + 2 * GROUP, minimum(kv_tail_tokens))
+
+
+def sliding_keys(offset: int, arrived: int, window_size: int) -> int:
+    """Tokens mlx-lm's RotatingKVCache(window_size) hands back after an update of `arrived` tokens (`offset`
+    counts them): the window_size - 1 newest before the update, and the update."""
+    return min(window_size - 1, offset - arrived) + arrived
+
+
+def sliding_mask(n: int, offset: int, max_size: int, window_size: int | None = None,
+                 return_array: bool = False) -> Any:
+    """The mask mlx-lm's RotatingKVCache(max_size) makes for an update of `n` tokens at `offset` (its keys in
+    temporal order, as `sliding_keys` counts them)."""
+    if n > 1:
+        window_size = window_size or max_size
+        start = min(max_size - 1, offset)
+        if start + n > window_size or return_array:
+            return create_causal_mask(n, start, window_size=window_size)
+        return "causal"
+    if window_size is None or window_size >= max_size or offset < window_size:
+        return None
+    keys = min(offset + 1, max_size)
+    return mx.arange(keys) >= keys - window_size

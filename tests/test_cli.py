@@ -98,3 +98,45 @@ def test_schemes_lists_the_registry(capsys):
         assert f"**{scheme.name}**" in out
         for opt in scheme.options:
             assert f"| {opt.name} | {opt.default} | {opt.accepted()} |" in out
+
+
+def test_policy_overrides_on_the_command_line(capsys):
+    argv = ["policy", "gemma3", "--schemes", "affine4", "--quantize-layers", "1,5", "--quantize-last", "--json"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)[0]
+    assert report["overrides"] == {"layers": [1, 5], "fp16_layers": [], "quantize_last": True,
+                                   "quantize_sliding": False}
+    assert [d["index"] for d in report["layers"] if d["decision"] == "affine"] == [1, 5, 11]
+    assert cli.main(["policy", "gemma3", "--schemes", "kvarn", "--quantize-sliding", "--fp16-layers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "kvarn6 tail=1024 +sliding -fp16 0 -> quantized 1/2 attn layers" in out
+    assert "9/10 sliding-window quantized" in out and "layer 0 override: kept fp16 by request (fp16_layers)" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--quantize-layers", "5,x"], "--quantize-layers '5,x': cannot read 'x' in '5,x' as int; accepted: "
+                                   "comma-separated layer indices such as 5,11"),
+    (["--quantize-layers", "12"], "layers has 12; accepted: layer indices 0..11 (the model has 12 cache entries)"),
+    (["--fp16-layers", "-3"], "fp16_layers has -3; accepted: layer indices 0..11"),
+])
+def test_bad_override_flags_are_one_line_errors(capsys, flags, message):
+    assert cli.main(["policy", "gemma3", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_memory_and_fidelity_take_overrides(capsys):
+    argv = ["memory", "--model", "gemma3", "--context", "600", "--schemes", "fp16,affine4", "--quantize-sliding",
+            "--json"]
+    assert cli.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [s["label"] for s in data["schemes"]] == ["fp16", "affine4 g64 +sliding"]
+    fp16, affine = data["schemes"]
+    assert fp16["layers"][0]["regions"] == {"window": 128 * 256 * 2 * 2}  # the model's 128-token window at fp16
+    assert affine["layers"][0]["decision"] == "affine" and 0 < affine["layers"][0]["resident"]
+    argv = ["fidelity", "--model", "gemma3", "--prefill", "300", "--decode", "4", "--schemes", "affine8",
+            "--quantize-sliding", "--quantize-last", "--json", "--quiet"]
+    assert cli.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["schemes"][0]["label"] == "affine8 g64 +last +sliding" and data["schemes"][0]["audit"]["ok"]
+    assert data["schemes"][0]["quantized_layers"] == "12/12"

@@ -51,6 +51,9 @@ class GmlxCache(_BaseCache):
     # reference; "fused" demands the kernels (an error on the CPU); "emulated" runs their algorithm in pure MLX.
     attention_path = "auto"
     ATTENTION_PATHS = ("auto", "reference", "fused", "emulated")
+    sliding_window: int | None = None  # serving a model's sliding-window layer (set_sliding), or None
+    sliding_hold: int | None = None  # its rolling window between updates (set_sliding), or None
+    _arrived = 0  # tokens of the update in progress
 
     def __init__(self, layer: int | None = None):
         self.offset = 0  # tokens that arrived (positions keep counting in a rolling window)
@@ -80,8 +83,13 @@ class GmlxCache(_BaseCache):
         Returns keys and values to store (the same values, tied to the check when it is on).
         """
         if self._like_first(keys, values):  # every check was made on the first update
-            return self._finite(keys, values)
-        return self._first_checks(keys, values)
+            keys, values = self._finite(keys, values)
+        else:
+            keys, values = self._first_checks(keys, values)
+        self._arrived = keys.shape[2]
+        if self.sliding_hold is not None:  # the update's first queries need the window before it: keep it
+            self.max_kv_size = self.sliding_hold + self._arrived
+        return keys, values
 
     def _like_first(self, keys: Any, values: Any) -> bool:
         """True for K/V with the first update's batch, heads, head dims and dtype (and >= 1 token)."""
@@ -176,12 +184,32 @@ class GmlxCache(_BaseCache):
     def settle(self) -> None:
         """Do now what the next update would do first: roll the window (kvarn also seals its due records), so
         `nbytes` shows the steady state; the tokens dropped or sealed can no longer be trimmed."""
+        if self.sliding_hold is not None:
+            self.max_kv_size = self.sliding_hold
         if self.max_kv_size is not None:
             self._roll(0)
 
     def _roll(self, newest: int) -> None:
         """Drop what the rolling window no longer holds (each cache, for its storage)."""
         raise NotImplementedError
+
+    def set_sliding(self, window_size: int) -> None:
+        """Serve a model's sliding-window layer of `window_size` tokens in place of mlx-lm's RotatingKVCache: hand
+        back the K/V it would (the newest window_size - 1 tokens before the update, then the update) and make the
+        masks it makes, so the model's own sliding mask fits every sliding layer. What the cache holds beyond
+        them (a rolling window's sink) is not attended. A rolling window set before (`set_window`, at least
+        window.sliding_hold) bounds what it holds between updates; during an update of n tokens it holds n
+        more, as RotatingKVCache does, since the update's first queries still see the window before it. Not
+        part of `state`: a cache loaded from a file or `from_state` needs set_sliding again (deep copies keep
+        it)."""
+        if self.offset:
+            raise ValueError(f"{self.where()}: set_sliding on an empty cache (this one holds {self.offset} tokens)")
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"{self.where()}: sliding window {window_size!r}; accepted: an int >= 1")
+        if self.max_kv_size is not None and self.max_kv_size < window.sliding_hold(window_size):
+            raise ValueError(f"{self.where()}: a rolling window of {self.max_kv_size} tokens cannot serve a sliding "
+                             f"window of {window_size}; accepted: max_kv_size >= {window.sliding_hold(window_size)}")
+        self.sliding_window, self.sliding_hold = window_size, self.max_kv_size
 
     def held_positions(self) -> list[tuple[int, int]]:
         """The token positions held, as [start, end) ranges (one range without a window)."""
@@ -195,6 +223,12 @@ class GmlxCache(_BaseCache):
         return keys is self._fetched[0]() and values is self._fetched[1]()
 
     def _return(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.sliding_window is not None:  # a sliding layer: what RotatingKVCache hands back (set_sliding)
+            keep = window.sliding_keys(self.offset, self._arrived, self.sliding_window)
+            if keys.shape[2] < keep:
+                raise RuntimeError(f"{self.where()}: holds {keys.shape[2]} tokens, the sliding window needs {keep}")
+            self._fetched = None  # mlx's attention with the model's sliding mask, not `attend` over every region
+            return keys[..., keys.shape[2] - keep:, :], values[..., values.shape[2] - keep:, :]
         # weak references: the cache must not keep a (possibly evaluated, decoded) copy alive
         self._fetched = (weakref.ref(keys), weakref.ref(values))
         return keys, values
@@ -247,6 +281,8 @@ class GmlxCache(_BaseCache):
         return True
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sliding_window is not None:  # the mask RotatingKVCache makes (set_sliding)
+            return window.sliding_mask(*args, offset=self.offset, max_size=self.sliding_window, **kwargs)
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
     def regions(self) -> dict[str, int]:
@@ -284,7 +320,8 @@ class GmlxCache(_BaseCache):
         """An independent copy. The copy shares the arrays' data but not the array objects: a write into a
         buffer with room (`buf[..., i, :] = x`) updates that array object in place, which the copy must not see."""
         new = type(self).from_state(_new_objects(self.state))
-        for name in ("attention_path", "check_finite_on"):  # switches set on the instance
+        switches = ("attention_path", "check_finite_on", "sliding_window", "sliding_hold")  # set on the instance
+        for name in switches:
             if name in self.__dict__:
                 setattr(new, name, self.__dict__[name])
         new._flags, new._unchecked = list(self._flags), list(self._unchecked)
