@@ -187,3 +187,22 @@ def test_a_sliding_cache_hands_back_what_rotating_kv_cache_does():
         small = FP16Cache(layer=1)
         small.set_window(256)
         small.set_sliding(128)
+
+
+@pytest.mark.parametrize("scheme, options", [("affine", {"bits": 4}), ("kvarn", {"bits": 4, "kv_tail_tokens": 128})])
+def test_quantized_sliding_layers_survive_save_and_load(tmp_path, scheme, options):
+    """A saved and loaded overridden cache keeps its sliding layers sliding: it continues like the original."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = specimen("gemma3")
+    mx.random.seed(2)
+    tokens = mx.random.randint(0, 200, (1, 460))
+    cache = gmlx_lab.make_cache(model, scheme, quiet=True, quantize_sliding=True, **options)
+    _logits(model, cache, tokens, [(0, 300), (300, 400)])
+    sliding = [i for i, c in enumerate(cache) if getattr(c, "sliding_window", None)]
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    assert sliding and [i for i, c in enumerate(loaded) if getattr(c, "sliding_window", None)] == sliding
+    steps = [(400, 430)] + [(i, i + 1) for i in range(430, 460)]
+    assert mx.array_equal(_logits(model, cache, tokens, steps), _logits(model, loaded, tokens, steps)).item()

@@ -187,7 +187,7 @@ class AffineCache(GmlxCache):
     @property
     def state(self) -> tuple[Any, ...]:
         meta = (self.offset, self.k_bits, self.group_size, self.quantized_kv_start, int(self.rotate), self.layer,
-                self.max_kv_size, self.dropped)
+                self.max_kv_size, self.dropped, *self.sliding_state())
         if self.offset == 0:
             return (None, None, *meta)
         if self.quantized:
@@ -197,9 +197,10 @@ class AffineCache(GmlxCache):
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        keys, values, offset, bits, group_size, start, rotate, layer, max_kv_size, dropped = v
+        keys, values, offset, bits, group_size, start, rotate, layer, max_kv_size, dropped, *sliding = v
         self.__init__(bits, group_size, start, bool(rotate), layer)
         self.offset, self.max_kv_size, self.dropped = offset, max_kv_size, dropped
+        self.restore_sliding(sliding)
         if keys is None:
             return
         packed = isinstance(keys, (list, tuple))  # codes as uint32 words of 32 / bits values each

@@ -193,15 +193,23 @@ class GmlxCache(_BaseCache):
         """Drop what the rolling window no longer holds (each cache, for its storage)."""
         raise NotImplementedError
 
+    def sliding_state(self) -> tuple[int | None, int | None]:
+        """The sliding-window setting (set_sliding) as `state` scalars, so save/load and from_state keep it."""
+        return (self.sliding_window, self.sliding_hold)
+
+    def restore_sliding(self, values: tuple[Any, ...] | list[Any]) -> None:
+        """Set what `sliding_state` stored; none stored (a file saved before it was) leaves a global layer."""
+        if values:
+            self.sliding_window, self.sliding_hold = values
+
     def set_sliding(self, window_size: int) -> None:
         """Serve a model's sliding-window layer of `window_size` tokens in place of mlx-lm's RotatingKVCache: hand
         back the K/V it would (the newest window_size - 1 tokens before the update, then the update) and make the
         masks it makes, so the model's own sliding mask fits every sliding layer. What the cache holds beyond
         them (a rolling window's sink) is not attended. A rolling window set before (`set_window`, at least
         window.sliding_hold) bounds what it holds between updates; during an update of n tokens it holds n
-        more, as RotatingKVCache does, since the update's first queries still see the window before it. Not
-        part of `state`: a cache loaded from a file or `from_state` needs set_sliding again (deep copies keep
-        it)."""
+        more, as RotatingKVCache does, since the update's first queries still see the window before it. Kept in
+        `state` (sliding_state), so save/load, from_state and deep copies keep it."""
         if self.offset:
             raise ValueError(f"{self.where()}: set_sliding on an empty cache (this one holds {self.offset} tokens)")
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:

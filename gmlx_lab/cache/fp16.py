@@ -101,16 +101,17 @@ class FP16Cache(GmlxCache):
 
     @property
     def state(self) -> tuple[Any, ...]:
-        meta = (self.offset, self.layer, self.max_kv_size, self.dropped)
+        meta = (self.offset, self.layer, self.max_kv_size, self.dropped, *self.sliding_state())
         if self.offset == 0:
             return (None, None, *meta)
         return (self.keys.view(self.held), self.values.view(self.held), *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        keys, values, offset, layer, max_kv_size, dropped = v
+        keys, values, offset, layer, max_kv_size, dropped, *sliding = v
         self.__init__(layer)
         self.offset, self.max_kv_size, self.dropped = offset, max_kv_size, dropped
+        self.restore_sliding(sliding)
         self.keys.data, self.values.data = keys, values
         if keys is not None:
             self._shape = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])

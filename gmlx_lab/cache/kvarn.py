@@ -264,14 +264,15 @@ class KVarNCache(GmlxCache):
         if self.recent_tokens:
             recent = (self.recent.k.view(self.recent_tokens), self.recent.v.view(self.recent_tokens))
         meta = (self.offset, self.k_bits, self.v_bits, self.kv_tail_tokens, self.norm_iters, self.layer, self.newest,
-                self.max_kv_size, self.dropped, self.head_dim_ext)
+                self.max_kv_size, self.dropped, self.head_dim_ext, *self.sliding_state())
         return (*sink, *body, *recent, *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest, max_kv_size, dropped, ext = v
+        sk, sv, bk, bv, rk, rv, offset, k_bits, v_bits, tail, iters, layer, newest, max_kv_size, dropped, ext, *rest = v
         self.__init__(k_bits, v_bits, tail, iters, layer, ext)
         self.offset, self.newest, self.max_kv_size, self.dropped = offset, newest, max_kv_size, dropped
+        self.restore_sliding(rest)  # sliding_state()
         if sk is not None:
             self.sink, self.sink_tokens = KV(sk, sv), sk.shape[2]
             self._shape = (sk.shape[0], sk.shape[1], sk.shape[3], sv.shape[3])
