@@ -21,7 +21,9 @@ group 64; a failure, e.g. its CUDA prefill, is recorded in the row), and any gml
 `affine8`, `kvarn6`, `kvarn4:tail=128`, ...; registry defaults otherwise). Ratios are to `mlx_lm_fp16` of the
 same context and weights. A short warm-up per scheme (compiles the kernels) is not reported. `--unchecked`
 adds rows (scheme name + "_unchecked") with the caches' finiteness check of arriving K/V switched off, so its
-cost is measured side by side.
+cost is measured side by side. `--probes kvarn6/lean-fetch,kvarn6/all,...` (GPU only) adds what-if rows: each
+probe removes one piece of a fused decode step's host work (PROBES), so its row bounds what removing that piece
+for real would gain; a probe's attention output is wrong, only its timing is read.
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -31,6 +33,7 @@ runs on the text of gmlx_lab/data/eval_text.txt; on the CPU the model computes i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -53,10 +56,11 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from gmlx_lab import make_cache
-from gmlx_lab.cache import GmlxCache
+from gmlx_lab.cache import AffineCache, GmlxCache, KVarNCache
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.fidelity import parse_scheme_spec, scheme_label
 from gmlx_lab.kernels import active_backend
+from gmlx_lab.kernels import decode as fused
 from gmlx_lab.policy import model_name
 
 MLX_LM_SCHEMES = {"mlx_lm_fp16": None, "mlx_lm_affine8": 8, "mlx_lm_affine4": 4}
@@ -121,6 +125,77 @@ def new_cache(model: nn.Module, spec: str) -> tuple[Any, str]:
     return make_cache(model, scheme, quiet=True, **options), scheme_label(scheme, options)
 
 
+@contextlib.contextmanager
+def lean_fetch() -> Any:
+    """Probe: update_and_fetch builds no decoded K/V to hand back (it returns stored arrays, so attention still
+    takes the fused path): what the graph of the returned K/V costs."""
+    kvarn_fetch, affine_stored = KVarNCache.fetch, AffineCache.stored
+    KVarNCache.fetch = lambda self, dtype=None, decode_step=False: (self.recent.k.data, self.recent.v.data)
+    AffineCache.stored = lambda self, end, dtype: (self.packed[0][1].data, self.packed[1][1].data)
+    try:
+        yield
+    finally:
+        KVarNCache.fetch, AffineCache.stored = kvarn_fetch, affine_stored
+
+
+@contextlib.contextmanager
+def one_kernel() -> Any:
+    """Probe: the split merge is not launched (the split kernel's output is kept alive by `mx.depends`): what
+    the second kernel call per layer costs, i.e. what folding the merge into the split kernel would save."""
+    merge = fused.merge_splits
+    outs: dict[tuple[Any, ...], mx.array] = {}
+
+    def skip(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dtype: mx.Dtype = mx.float32,
+             emulate: bool = False, rotated_splits: int | None = None) -> tuple[mx.array, mx.array]:
+        shape = (part_o.shape[0], part_o.shape[2], part_o.shape[3])
+        if (shape, dtype) not in outs:
+            outs[shape, dtype] = mx.zeros(shape, dtype)
+            mx.eval(outs[shape, dtype])
+        return mx.depends(outs[shape, dtype], part_o), part_lse
+    fused.merge_splits = skip
+    try:
+        yield
+    finally:
+        fused.merge_splits = merge
+
+
+@contextlib.contextmanager
+def fixed_params() -> Any:
+    """Probe: the kernels' small parameter array is not made anew when only the token count changed (each step
+    now uploads a new one): what that costs. The stale count is never above the true one, so reads stay valid."""
+    make = fused.int_params
+    kept: dict[tuple[int, ...], mx.array] = {}
+
+    def stale(*values: int) -> mx.array:
+        # the count that moves every step: kvarn_decode's recent tokens (4th of 8), affine_decode's tokens (1st of 4)
+        key = values[:3] + values[4:] if len(values) == 8 else values[1:] if len(values) == 4 else values
+        if key not in kept:
+            kept[key] = make(*values)
+        return kept[key]
+    fused.int_params = stale
+    try:
+        yield
+    finally:
+        fused.int_params = make
+
+
+PROBES = {"lean-fetch": lean_fetch, "one-kernel": one_kernel, "fixed-params": fixed_params}
+
+
+def parse_probes(text: str) -> list[tuple[str, list[str]]]:
+    """"kvarn6/lean-fetch,kvarn6/all" -> [("kvarn6", ["lean-fetch"]), ("kvarn6", [every probe])]."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        spec, _, names = item.partition("/")
+        probes = list(PROBES) if names == "all" else names.split("+")
+        bad = [p for p in probes if p not in PROBES]
+        if not spec or bad or not names:
+            raise ValueError(f"probe {item!r}: expected SCHEME/PROBE[+PROBE...] or SCHEME/all with probes "
+                             f"{', '.join(PROBES)}")
+        out.append((spec, probes))
+    return out
+
+
 def cache_bytes(cache: Any) -> int:
     return sum(c.nbytes for c in cache)
 
@@ -175,11 +250,14 @@ def profile_decode(model: nn.Module, cache: Any, first: int, n: int, top: int = 
 
 def run_scheme(model: nn.Module, spec: str, tokens: mx.array, args: argparse.Namespace,
                report: bool = True) -> dict[str, Any]:
-    """Prefill, bytes, decode and graph-building timings of one scheme at one context."""
+    """Prefill, bytes, decode and graph-building timings of one scheme (or "scheme/probes") at one context."""
+    name = spec
+    spec, _, probe_text = spec.partition("/")
+    probes = parse_probes(name)[0][1] if probe_text else []
     layers = len(model.layers)
     cache, label = new_cache(model, spec)
-    row: dict[str, Any] = {"scheme": spec, "label": label, "context": int(tokens.size),
-                           "weight_bits": args.weights}
+    row: dict[str, Any] = {"scheme": name, "label": label + "".join(f", probe {p}" for p in probes),
+                           "context": int(tokens.size), "weight_bits": args.weights}
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -190,12 +268,16 @@ def run_scheme(model: nn.Module, spec: str, tokens: mx.array, args: argparse.Nam
         return row
     row["cache_bytes"] = cache_bytes(cache)
     n_decode = args.decode if report else 4
-    try:
-        intervals, out = decode(model, cache, first, n_decode)
-    except Exception as err:  # noqa: BLE001
-        row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
-        return row
-    builds, evals = build_times(model, cache, out[-1], args.build_steps if report else 2)
+    with contextlib.ExitStack() as stack:  # probes change decode steps only; the prefill ran as it is
+        for probe in probes:
+            stack.enter_context(PROBES[probe]())
+        try:
+            intervals, out = decode(model, cache, first, n_decode)
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
+            return row
+        builds, evals = build_times(model, cache, out[-1], args.build_steps if report else 2)
+        profile = profile_decode(model, cache, out[-1], args.profile) if report and args.profile else None
     mean, median = statistics.mean(intervals), statistics.median(intervals)
     build = statistics.median(builds)
     row.update({
@@ -209,8 +291,8 @@ def run_scheme(model: nn.Module, spec: str, tokens: mx.array, args: argparse.Nam
     })
     if getattr(cache, "policy", None) is not None:
         row["policy"] = str(cache.policy)
-    if report and args.profile:
-        row["profile"] = profile_decode(model, cache, out[-1], args.profile)
+    if profile is not None:
+        row["profile"] = profile
     return row
 
 
@@ -253,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-step", type=int, default=2048)
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many decode tokens per row")
     parser.add_argument("--unchecked", default="", help="schemes to run again with the finiteness check off")
+    parser.add_argument("--probes", default="", help="what-if rows on a GPU: SCHEME/PROBE[+PROBE] or SCHEME/all, "
+                        f"comma-separated; probes: {', '.join(PROBES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/model_decode-cpu.json")
     args = parser.parse_args(argv)
@@ -270,6 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     specs = scheme_list(args.schemes or DEFAULT_SCHEMES["cpu" if active_backend() == "cpu" else "gpu"],
                         extra=tuple(MLX_LM_SCHEMES))
     specs += [f"{s}_unchecked" for s in (scheme_list(args.unchecked) if args.unchecked else [])]
+    if args.probes:
+        if active_backend() == "cpu":
+            parser.error("--probes change the fused GPU path; MLX runs on the CPU here")
+        try:
+            probes = parse_probes(args.probes)
+        except ValueError as err:
+            parser.error(str(err))
+        scheme_list(",".join(spec for spec, _ in probes))  # every probed scheme is a known one
+        specs += [f"{spec}/{'+'.join(names)}" for spec, names in probes]
     rows: list[dict[str, Any]] = []
     warm = context_tokens(tokenizer, model, 2048 + 1024 + 256, source, args.seed + 1)
     for spec in specs:
@@ -282,10 +375,20 @@ def main(argv: list[str] | None = None) -> int:
             msg = r.get("error") or (f"{r['decode_ms_median']:7.2f} ms/token  prefill {r['prefill_s']:6.2f} s  "
                                      f"build {r['build_us_per_layer']:6.1f} us/layer")
             print(f"{n:7d} {spec:16s} {msg}", file=sys.stderr, flush=True)
+            write_result(args, argv, model, source, rows, time.perf_counter() - t0, final=False)
             gc.collect()
             mx.clear_cache()
     add_ratios(rows)
-    seconds = time.perf_counter() - t0
+    write_result(args, argv, model, source, rows, time.perf_counter() - t0, final=True)
+    print(f"\n{model_name(model)}, {device_name()} ({active_backend()}), weights {args.weights}-bit")
+    print_table(rows)
+    print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def write_result(args: argparse.Namespace, argv: list[str] | None, model: nn.Module, source: str,
+                 rows: list[dict[str, Any]], seconds: float, final: bool) -> None:
+    """Write the JSON; after every row too (marked unfinished), so a run cut by a time limit keeps its rows."""
     result = {
         "device": device_name(), "backend": active_backend(), "mlx": mx.__version__, "mlx_lm": version("mlx-lm"),
         "commit": git_commit(),
@@ -296,12 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         "method": __doc__.split("\n\n", 2)[2].split("\nSchemes:")[0].strip(),
         "rows": rows,
     }
+    if not final:
+        result["unfinished"] = "written after each row; the run had not ended (ratios are added at the end)"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n{result['model']}, {result['device']} ({result['backend']}), weights {args.weights}-bit")
-    print_table(rows)
-    print(f"wrote {args.out} ({seconds:.0f} s)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -143,9 +143,7 @@ def _kvarn_cache(d: int, hkv: int, kb: int, vb: int, tokens: int, tail: int, see
 
 def _affine_stored(c: AffineCache, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     """An affine cache's stored (rotated if it rotates) K/V decoded, as its own update_and_fetch decodes them."""
-    return tuple(mx.dequantize(codes.view(c.offset), scales.view(c.offset).astype(dtype),
-                               biases.view(c.offset).astype(dtype), group_size=c.group_size, bits=c.k_bits)
-                 for codes, scales, biases in c.packed)
+    return c.stored(c.offset, dtype)
 
 
 def _attend(c, q: mx.array, mask) -> mx.array:

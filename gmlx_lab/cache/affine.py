@@ -95,7 +95,7 @@ class AffineCache(GmlxCache):
                 self.fp16 = None
         if self.max_kv_size is not None:
             self._roll(keys.shape[2])
-        k, v = self._stored(self.held, dtype)
+        k, v = self.stored(self.held, dtype)
         if self.rotate:  # hand back K/V in the model's own (unrotated) space
             k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
         if k.dtype != dtype:
@@ -111,10 +111,15 @@ class AffineCache(GmlxCache):
                 buf.remove(SINK_TOKENS, SINK_TOKENS + drop, self.held)
             self.dropped += drop
 
-    def _stored(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """Stored K/V (rotated if `rotate`) as arrays of `dtype`, decoded if quantized."""
+    def stored(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Stored K/V (rotated if `rotate`) as arrays of `dtype`, decoded if quantized.
+
+        The whole buffers are decoded and the result cut to `end` tokens: two graph nodes per array rather than
+        four (a decode step builds this graph every token, though the fused path never evaluates it).
+        """
         if self.quantized:
-            return tuple(self._dequantize([b.view(end) for b in bufs], dtype) for bufs in self.packed)
+            out = (self._dequantize([b.data for b in bufs], dtype) for bufs in self.packed)
+            return tuple(x if x.shape[2] == end else x[:, :, :end] for x in out)
         return self.fp16[0].view(end), self.fp16[1].view(end)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -132,7 +137,7 @@ class AffineCache(GmlxCache):
             # fp16 rows; or, on CUDA, a query block (prefill) that MLX's CUDA quantized_matmul has no kernel
             # for (mlx 0.32.4 raises "No implementation for problem shape"): attend over the decoded codes,
             # the very values quantized_matmul would use.
-            k, v = self._stored(self.held, q.dtype)
+            k, v = self.stored(self.held, q.dtype)
             out = mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
         else:
             qk, qv = ([b.view(self.held) for b in bufs] for bufs in self.packed)
