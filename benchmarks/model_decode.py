@@ -23,7 +23,8 @@ same context and weights. A short warm-up per scheme (compiles the kernels) is n
 adds rows (scheme name + "_unchecked") with the caches' finiteness check of arriving K/V switched off, so its
 cost is measured side by side. `--probes kvarn6/lean-fetch,kvarn6/all,...` (GPU only) adds what-if rows: each
 probe removes one piece of a fused decode step's host work (PROBES), so its row bounds what removing that piece
-for real would gain; a probe's attention output is wrong, only its timing is read.
+for real would gain; a probe's attention output is wrong, only its timing is read (except `uncompiled`, which
+measures the decode attention built in Python every step, as before it was compiled: its output is right).
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -38,6 +39,7 @@ import cProfile
 import gc
 import io
 import json
+import os
 import platform
 import pstats
 import statistics
@@ -59,7 +61,7 @@ from gmlx_lab import make_cache
 from gmlx_lab.cache import AffineCache, GmlxCache, KVarNCache
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.fidelity import parse_scheme_spec, scheme_label
-from gmlx_lab.kernels import active_backend
+from gmlx_lab.kernels import active_backend, build
 from gmlx_lab.kernels import decode as fused
 from gmlx_lab.policy import model_name
 
@@ -72,7 +74,10 @@ SHAPES = {"llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate
 
 
 def git_commit() -> str:
-    """The checkout's commit (what code the numbers come from), or "unknown" outside a git checkout."""
+    """The checkout's commit (what code the numbers come from): GMLX_COMMIT when set (a copy of the tree without
+    its .git, as on the GPU machine), else git's, or "unknown"."""
+    if os.environ.get("GMLX_COMMIT"):
+        return os.environ["GMLX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()
@@ -139,6 +144,17 @@ def lean_fetch() -> Any:
 
 
 @contextlib.contextmanager
+def uncompiled() -> Any:
+    """Probe: decode attention builds its two kernel calls in Python at every step instead of replaying one
+    compiled graph per launch geometry (build.run_graph): what compiling it saves. Its output is right."""
+    build.compile_graphs = False
+    try:
+        yield
+    finally:
+        build.compile_graphs = True
+
+
+@contextlib.contextmanager
 def one_kernel() -> Any:
     """Probe: the split merge is not launched (the split kernel's output is kept alive by `mx.depends`): what
     the second kernel call per layer costs, i.e. what folding the merge into the split kernel would save."""
@@ -153,10 +169,12 @@ def one_kernel() -> Any:
             mx.eval(outs[shape, dtype])
         return mx.depends(outs[shape, dtype], part_o), part_lse
     fused.merge_splits = skip
+    build.forget_kernels()  # compiled graphs hold the merge they were traced with
     try:
         yield
     finally:
         fused.merge_splits = merge
+        build.forget_kernels()
 
 
 @contextlib.contextmanager
@@ -179,7 +197,7 @@ def fixed_params() -> Any:
         fused.int_params = make
 
 
-PROBES = {"lean-fetch": lean_fetch, "one-kernel": one_kernel, "fixed-params": fixed_params}
+PROBES = {"lean-fetch": lean_fetch, "one-kernel": one_kernel, "fixed-params": fixed_params, "uncompiled": uncompiled}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:

@@ -482,3 +482,25 @@ def test_cpu_threads_refuse_an_unknown_source() -> None:
             pass
     with pytest.raises(RuntimeError, match="on_cpu_threads"):
         threads.current_source()
+
+
+def test_run_graph_compiles_once_per_key_and_reads_every_array_at_each_call(monkeypatch):
+    """On a GPU, decode attention is one compiled graph per launch geometry (build.run_graph). What changes
+    between steps (the kernels' parameter arrays: the token count) is an input, read anew at each call, never
+    baked into the trace; another key is another graph; `compile_graphs = False` calls the graph as it is."""
+    monkeypatch.setattr(build, "active_backend", lambda: "cuda")  # compile as on a GPU (this graph is pure MLX)
+    traced = []
+
+    def graph(key: float, x: mx.array, params: mx.array) -> mx.array:
+        traced.append(key)
+        return x * key + params
+
+    x = mx.ones((4,))
+    for step in range(3):
+        assert build.run_graph(graph, 2.0, x, mx.array([float(step)])).tolist() == [2.0 + step] * 4
+    assert traced == [2.0]  # traced once, replayed twice
+    assert build.run_graph(graph, 3.0, x, mx.array([1.0])).tolist() == [4.0] * 4
+    assert traced == [2.0, 3.0]
+    monkeypatch.setattr(build, "compile_graphs", False)
+    assert build.run_graph(graph, 2.0, x, mx.array([5.0])).tolist() == [7.0] * 4
+    assert traced == [2.0, 3.0, 2.0]

@@ -11,8 +11,10 @@ On the CPU there is no kernel: callers use the pure-MLX reference.
 
 from __future__ import annotations
 
+import os
 import re
-from functools import cache
+from collections.abc import Callable
+from functools import cache, lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ import mlx.core as mx
 
 HERE = Path(__file__).parent
 BACKENDS = ("cuda", "metal")
+COMPILE_ENV = "GMLX_COMPILE_DECODE"  # "0": decode attention builds its kernel calls in Python every step
+compile_graphs = os.environ.get(COMPILE_ENV, "1") != "0"
 
 # Index bindings placed at the top of every body: the body only says TID, GROUP_Y, ...
 INDICES = {
@@ -174,8 +178,9 @@ def _kernel(name: str, backend: str, inputs: tuple[str, ...], outputs: tuple[str
 
 
 def forget_kernels() -> None:
-    """Drop the compiled kernel objects, so the next launch compiles the sources as they read now."""
+    """Drop the compiled kernel objects and graphs, so the next launch compiles the sources as they read now."""
     _kernel.cache_clear()
+    _compiled.cache_clear()
 
 
 @cache
@@ -212,3 +217,23 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
         output_shapes=[s for s, _ in outputs.values()],
         output_dtypes=[d for _, d in outputs.values()],
     )
+
+
+def run_graph(graph: Callable[..., mx.array], key: Any, *arrays: mx.array) -> mx.array:
+    """`graph(key, *arrays)`: on a GPU backend compiled with `mx.compile`, once per key and input shapes.
+
+    A decode step calls its attention graph once per layer, and building it in Python (two kernel calls, whose
+    sources MLX assembles at each call) costs the host more than the GPU spends on it at short contexts; a
+    compiled graph is replayed in C++ with the kernels built once. `key` (plain values) with the arrays' shapes
+    and dtypes must fix the graph: every value that changes between steps is one of `arrays`, never captured.
+    The CPU (and CPU threads, which run kernels eagerly) calls `graph` as it is; so does `compile_graphs = False`
+    (or GMLX_COMPILE_DECODE=0), which benchmarks/model_decode.py measures side by side."""
+    if not compile_graphs or active_backend() == "cpu":
+        return graph(key, *arrays)
+    return _compiled(graph, key)(*arrays)
+
+
+@lru_cache(maxsize=32)
+def _compiled(graph: Callable[..., mx.array], key: Any) -> Callable[..., mx.array]:
+    """One compiled graph per key; the oldest are dropped (a decode's geometry moves on every 128 tokens)."""
+    return mx.compile(partial(graph, key))

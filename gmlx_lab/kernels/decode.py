@@ -9,12 +9,12 @@ log-sum-exp merge), so the CPU can check the kernels' math against the reference
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
 from ..records import KvarnParts, Records, unpack_rows
-from .build import kernel_backend, launch
+from .build import kernel_backend, launch, run_graph
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
@@ -136,6 +136,64 @@ def kvarn_splits(records: int, recent: int, groups: int, warps: int, per_warp: i
     return per, -(-r // run), -(-f // run)
 
 
+class KvarnPlan(NamedTuple):
+    """The launch geometry of one kvarn_decode call: plain ints, the key of its compiled graph (build.run_graph)."""
+
+    records: int  # R: sealed records per (head, slice)
+    slices: int  # S: 128-channel slices of the head dim
+    sink: int  # fp16 sink tokens
+    per: int  # units per warp
+    nsr: int  # record splits (rotated), then
+    nsf: int  # fp16 splits
+    warps: int
+    nchunk: int  # groups of KVARN_QN query vectors
+    length: int  # query tokens
+    causal: bool
+    kbits: int
+    vbits: int
+
+
+def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal: bool,
+               per_warp: int | None = None) -> KvarnPlan:
+    """How a kvarn_decode call over `parts` splits its work, for nq grouped query vectors of bh kv heads."""
+    kbody, vbody = parts.body
+    r, s = kbody.codes.shape[2:4]
+    nchunk = -(-nq // KVARN_QN)
+    warps = kvarn_warps(d)
+    per, nsr, nsf = kvarn_splits(r, parts.recent_tokens, bh * nchunk, warps, per_warp)
+    return KvarnPlan(r, s, parts.sink.k.shape[2], per, nsr, nsf, warps, nchunk, length, causal, kbody.bits,
+                     vbody.bits)
+
+
+def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
+    """The arrays kvarn_decode reads, in its input order after the queries, and the recent buffers' capacity."""
+    kbody, vbody = parts.body
+    rk, rv = parts.recent if parts.recent_tokens else (mx.zeros((1,), mx.float16),) * 2  # never read then
+    cap = rk.shape[2] if parts.recent_tokens else 0
+    return [*kbody.arrays, *vbody.arrays, *parts.sink, rk, rv], cap
+
+
+def kvarn_params(plan: KvarnPlan, recent_tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
+    """kvarn_decode's int and float parameter arrays (the recent-token count moves every step)."""
+    return (int_params(plan.records, plan.per, plan.sink, recent_tokens, int(plan.causal), plan.nsr + plan.nsf,
+                       plan.nsr, cap), float_params(scale))
+
+
+def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], params: mx.array,
+                       fparams: mx.array) -> tuple[mx.array, mx.array]:
+    """One kvarn_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg."""
+    bh, nq, d = qg.shape
+    names = ("kc", "ks", "kz", "ko", "vc", "vs", "vz", "vo", "sk", "sv", "rk", "rv")
+    nsplit = plan.nsr + plan.nsf
+    return tuple(launch(
+        "kvarn_decode", {"q": qg, **dict(zip(names, arrays)), "params": params, "fparams": fparams},
+        {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32)},
+        grid=(32 * plan.warps, nsplit, bh * plan.nchunk), threadgroup=(32 * plan.warps, 1, 1),
+        template={"KB": plan.kbits, "VB": plan.vbits, "S": plan.slices, "NQ": nq, "NCHUNK": plan.nchunk,
+                  "L": plan.length, "WARPS": plan.warps, "QDT": DTYPE_IDS[qg.dtype]},
+    ))
+
+
 def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, causal: bool,
                    per_warp: int | None = None, emulate: bool = False) -> tuple[mx.array, mx.array, int]:
     """Per-split partial attention of grouped queries qg (BH, NQ, D) over a kvarn layer's parts.
@@ -145,29 +203,11 @@ def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, c
     (BH, NSPLIT, NQ, D), part_lse (BH, NSPLIT, NQ) and the number of record (rotated) splits.
     """
     bh, nq, d = qg.shape
-    kbody, vbody = parts.body
-    r, s = kbody.codes.shape[2:4]
-    nchunk = -(-nq // KVARN_QN)
-    sk, sv = parts.sink
-    ns, nr = sk.shape[2], parts.recent_tokens
-    warps = kvarn_warps(d)
-    per, nsr, nsf = kvarn_splits(r, nr, bh * nchunk, warps, per_warp)
+    plan = kvarn_plan(nq, d, bh, parts, length, causal, per_warp)
     if emulate:
-        return (*_kvarn_emulated(qg * scale, parts, length, causal, per * warps), nsr)
-    rk, rv = parts.recent if nr else (mx.zeros((1,), mx.float16),) * 2  # a placeholder the kernel never reads
-    cap = rk.shape[2] if nr else 0
-    inputs = {"q": qg, "kc": kbody.codes, "ks": kbody.scale_axis, "kz": kbody.zp_axis, "ko": kbody.other_axis,
-              "vc": vbody.codes, "vs": vbody.scale_axis, "vz": vbody.zp_axis, "vo": vbody.other_axis,
-              "sk": sk, "sv": sv, "rk": rk, "rv": rv,
-              "params": int_params(r, per, ns, nr, int(causal), nsr + nsf, nsr, cap), "fparams": float_params(scale)}
-    part_o, part_lse = launch(
-        "kvarn_decode", inputs,
-        {"part_o": ((bh, nsr + nsf, nq, d), mx.float32), "part_lse": ((bh, nsr + nsf, nq), mx.float32)},
-        grid=(32 * warps, nsr + nsf, bh * nchunk), threadgroup=(32 * warps, 1, 1),
-        template={"KB": kbody.bits, "VB": vbody.bits, "S": s, "NQ": nq, "NCHUNK": nchunk, "L": length,
-                  "WARPS": warps, "QDT": DTYPE_IDS[qg.dtype]},
-    )
-    return part_o, part_lse, nsr
+        return (*_kvarn_emulated(qg * scale, parts, length, causal, plan.per * plan.warps), plan.nsr)
+    arrays, cap = kvarn_inputs(parts)
+    return (*kvarn_split_kernel(plan, qg, arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale)), plan.nsr)
 
 
 def _flat(field: mx.array) -> mx.array:
@@ -240,13 +280,30 @@ def _kvarn_emulated(qg: mx.array, parts: KvarnParts, length: int, causal: bool, 
 
 def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, emulate: bool = False) -> mx.array:
     """Decode attention over a kvarn layer in two launches: one split-K kernel over records (rotated queries),
-    sink and recent tokens, and one merge kernel that rotates the records' share of the output back."""
+    sink and recent tokens, and one merge kernel that rotates the records' share of the output back.
+
+    On a GPU the two launches are one compiled graph per launch geometry (`build.run_graph`): a decode step
+    replays it instead of building both kernel calls again in Python."""
     b, hq, length, d = queries.shape
     hkv = parts.sink.k.shape[1]
     causal = isinstance(mask, str) and length > 1
-    part_o, part_lse, nrot = kvarn_partials(group_queries(queries, hkv), scale, parts, length, causal,
-                                            emulate=emulate)
-    out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, emulate=emulate, rotated_splits=nrot)
+    if emulate:
+        part_o, part_lse, nrot = kvarn_partials(group_queries(queries, hkv), scale, parts, length, causal,
+                                                emulate=True)
+        out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, emulate=True, rotated_splits=nrot)
+        return ungroup(out, b, hq, length)
+    plan = kvarn_plan((hq // hkv) * length, d, b * hkv, parts, length, causal)
+    arrays, cap = kvarn_inputs(parts)
+    return run_graph(_kvarn_graph, (plan, hkv), queries, *arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale))
+
+
+def _kvarn_graph(key: tuple[KvarnPlan, int], queries: mx.array, *arrays: mx.array) -> mx.array:
+    """kvarn decode attention as a graph of arrays: the split kernel, then the merge that rotates back."""
+    plan, hkv = key
+    b, hq, length, _ = queries.shape
+    *inputs, params, fparams = arrays
+    part_o, part_lse = kvarn_split_kernel(plan, group_queries(queries, hkv), inputs, params, fparams)
+    out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, rotated_splits=plan.nsr)
     return ungroup(out, b, hq, length)
 
 
@@ -279,28 +336,57 @@ def unpack_records(records: Records, dtype: mx.Dtype = mx.float16) -> mx.array:
 
 
 # -- affine ---------------------------------------------------------------------------------
+class AffinePlan(NamedTuple):
+    """The launch geometry of one affine_decode call: plain ints, the key of its compiled graph (build.run_graph)."""
+
+    per: int  # tokens per split
+    nsplit: int
+    qb: int  # query vectors per threadgroup
+    nchunk: int
+    bits: int
+    group_size: int
+    length: int  # query tokens
+    causal: bool
+
+
+def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: int, length: int, causal: bool,
+                per_split: int | None = None) -> AffinePlan:
+    """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads."""
+    qb, nchunk = _chunks(nq, affine_qb_max(d))
+    per = 128 * (per_split or split_size(-(-tokens // 128), bh * nchunk))
+    return AffinePlan(per, -(-tokens // per), qb, nchunk, bits, group_size, length, causal)
+
+
+def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
+    """affine_decode's int and float parameter arrays (the token count moves every step)."""
+    return int_params(tokens, cap, plan.per, int(plan.causal)), float_params(scale)
+
+
+def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], vparts: list[mx.array],
+                        params: mx.array, fparams: mx.array) -> tuple[mx.array, mx.array]:
+    """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg."""
+    bh, nq, d = qg.shape
+    inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
+              "vbi": vparts[2], "params": params, "fparams": fparams}
+    return tuple(launch(
+        "affine_decode", inputs,
+        {"part_o": ((bh, plan.nsplit, nq, d), mx.float32), "part_lse": ((bh, plan.nsplit, nq), mx.float32)},
+        grid=(128, plan.nsplit, bh * plan.nchunk), threadgroup=(128, 1, 1),
+        template={"BITS": plan.bits, "GS": plan.group_size, "D": d, "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk,
+                  "L": plan.length, "QDT": DTYPE_IDS[qg.dtype]},
+    ))
+
+
 def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: list[mx.array], tokens: int,
                     bits: int, group_size: int, length: int, causal: bool, per_split: int | None = None,
                     emulate: bool = False) -> tuple[mx.array, mx.array]:
     """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...)."""
     bh, nq, d = qg.shape
-    cap = kparts[0].shape[2]
-    qb, nchunk = _chunks(nq, affine_qb_max(d))
-    tiles = -(-tokens // 128)
-    per = 128 * (per_split or split_size(tiles, bh * nchunk))
-    nsplit = -(-tokens // per)
+    plan = affine_plan(nq, d, bh, tokens, bits, group_size, length, causal, per_split)
     if emulate:
         return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, bits, group_size, length,
-                                causal, per)
-    inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
-              "vbi": vparts[2], "params": int_params(tokens, cap, per, int(causal)), "fparams": float_params(scale)}
-    return tuple(launch(
-        "affine_decode", inputs,
-        {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32)},
-        grid=(128, nsplit, bh * nchunk), threadgroup=(128, 1, 1),
-        template={"BITS": bits, "GS": group_size, "D": d, "QB": qb, "NQ": nq, "NCHUNK": nchunk, "L": length,
-                  "QDT": DTYPE_IDS[qg.dtype]},
-    ))
+                                causal, plan.per)
+    return affine_split_kernel(plan, qg, kparts, vparts, *affine_params(plan, tokens, kparts[0].shape[2], scale))
 
 
 def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, bits: int,
@@ -355,15 +441,32 @@ def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[m
                   group_size: int, rotate: bool, emulate: bool = False) -> mx.array:
     """Decode attention over affine codes: one split-K kernel, one merge kernel (which also rotates the output
     back for a rotated cache); no dequantized copy. parts: K and V buffers [codes, scales, biases] of
-    (B, Hkv, CAP, ...) whose first `tokens` rows hold tokens."""
-    q = mx.hadamard_transform(queries) if rotate else queries
-    b, hq, length, d = q.shape
+    (B, Hkv, CAP, ...) whose first `tokens` rows hold tokens. On a GPU the whole is one compiled graph per
+    launch geometry (`build.run_graph`), as for kvarn."""
+    b, hq, length, d = queries.shape
     kparts, vparts = parts
     hkv = kparts[0].shape[1]
     causal = isinstance(mask, str) and length > 1
-    part_o, part_lse = affine_partials(group_queries(q, hkv), scale, kparts, vparts, tokens, bits, group_size,
-                                       length, causal, emulate=emulate)
-    out, _ = merge_splits(part_o, part_lse, rotate=rotate, dtype=queries.dtype, emulate=emulate)
+    if emulate:
+        q = mx.hadamard_transform(queries) if rotate else queries
+        part_o, part_lse = affine_partials(group_queries(q, hkv), scale, kparts, vparts, tokens, bits, group_size,
+                                           length, causal, emulate=True)
+        out, _ = merge_splits(part_o, part_lse, rotate=rotate, dtype=queries.dtype, emulate=True)
+        return ungroup(out, b, hq, length)
+    plan = affine_plan((hq // hkv) * length, d, b * hkv, tokens, bits, group_size, length, causal)
+    params = affine_params(plan, tokens, kparts[0].shape[2], scale)
+    return run_graph(_affine_graph, (plan, hkv, rotate), queries, *kparts, *vparts, *params)
+
+
+def _affine_graph(key: tuple[AffinePlan, int, bool], queries: mx.array, *arrays: mx.array) -> mx.array:
+    """affine decode attention as a graph of arrays: rotate the queries (affine_rot), split kernel, merge."""
+    plan, hkv, rotate = key
+    b, hq, length, _ = queries.shape
+    kw, ksc, kbi, vw, vsc, vbi, params, fparams = arrays
+    q = mx.hadamard_transform(queries) if rotate else queries
+    part_o, part_lse = affine_split_kernel(plan, group_queries(q, hkv), [kw, ksc, kbi], [vw, vsc, vbi], params,
+                                           fparams)
+    out, _ = merge_splits(part_o, part_lse, rotate=rotate, dtype=queries.dtype)
     return ungroup(out, b, hq, length)
 
 
