@@ -21,7 +21,17 @@ from conftest import random_kv
 from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.attention import grouped_attention
 from gmlx_lab.cache.kvarn import KVarNCache
-from gmlx_lab.kernels import KERNELS, active_backend, assemble, build, decode, seal_records, threads, unpack_records
+from gmlx_lab.kernels import (
+    KERNELS,
+    active_backend,
+    assemble,
+    build,
+    decode,
+    kvarn_tokens,
+    seal_records,
+    threads,
+    unpack_records,
+)
 from gmlx_lab.kernels.decode import affine_partials, group_queries, kvarn_partials, merge_splits
 from gmlx_lab.records import decode_tiles, decode_tokens, encode_tokens, unpack_rows
 
@@ -310,6 +320,27 @@ def test_unpack_kernel_decodes_records(bits: int, kind: str, dim: int, dtype: mx
     got = unpack_records(records, dtype)
     assert got.dtype == dtype and got.shape == (1, 2, 384, dim)
     assert _rel(got, decode_tokens(records)) < (1e-3 if dtype == mx.float16 else 1e-6)
+
+
+
+@gpu
+@pytest.mark.parametrize("case", [0, 2, 3, 6], ids=["d128", "d256", "d512", "no-recent"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_unpack_kernel_gives_the_fetched_kv(case: int, dtype: mx.Dtype) -> None:
+    """kvarn_tokens (kvarn_unpack with ROTATE) is the reference fetch in one launch: the fp16 sink, the body
+    decoded and rotated back, the recent tokens; with the recent tokens left out, the sink and body alone."""
+    d, _, hkv, _, kb, vb, tokens, tail = KVARN_CASES[case]
+    c = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=case)
+    c.attention_path = "reference"  # the pure-MLX fetch, also on a GPU
+    want = c.fetch(dtype)
+    n = c.recent_tokens
+    assert (n == 0) == (case == 6)
+    for i, (sink, body, buf) in enumerate(zip(c.sink, c.body, c.recent)):
+        got = kvarn_tokens(sink, body, buf.data if n else None, n, dtype)
+        assert got.dtype == dtype and got.shape == want[i].shape
+        assert _rel(got, want[i]) < (1e-3 if dtype == mx.float16 else 1e-5)
+        prefix = kvarn_tokens(sink, body, None, 0, dtype)
+        assert prefix.shape[2] == want[i].shape[2] - n and mx.array_equal(prefix, got[:, :, :prefix.shape[2]]).item()
 
 
 # -- the CPU-thread runner itself (tests/conftest.py routes the `gpu` tests through it on a CPU) ------------

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import window
-from ..kernels import MAX_QUERY_TOKENS, kvarn_attend, kvarn_supported, seal_records, unpack_records
+from ..kernels import MAX_QUERY_TOKENS, kvarn_attend, kvarn_supported, kvarn_tokens, seal_records, unpack_records
 from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
 from ..registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
 from ..window import groups_to_drop
@@ -171,26 +171,29 @@ class KVarNCache(GmlxCache):
         """The body's K and V decoded to (B, H, tokens, D) in the model's space (rotated back)."""
         if self.body is None:
             return None
-        wide = self._shape[2] in KVARN_HEAD_DIMS  # the kernel's 128-wide tiles
-        decode = unpack_records if wide and self.uses_kernel("kvarn_unpack") else decode_tokens
+        decode = unpack_records if self._unpacks() else decode_tokens
         return KV(*(mx.hadamard_transform(decode(r, dtype)) for r in self.body))
 
     def fetch(self, dtype: mx.Dtype = mx.float32, decode_step: bool = False) -> KV:
         """All tokens' K and V in the model's space: sink, decoded body, recent tokens.
 
-        For decode steps on a GPU the fused kernels never read these: the decoded sink + body are then
+        On a GPU each is one `kvarn_unpack` launch (decode, rotate back and surround with the fp16 tokens in
+        one pass). For decode steps the fused kernels never read these: the decoded sink + body are then
         built as a graph once per seal and reused (evaluated only if the model reads the K/V itself, and
         then kept until the next seal, which spares it a decode per step).
         """
+        n = self.recent_tokens
         if decode_step and self.kernel_route(True, "kvarn_decode") == "fused":
             if self._prefix is None:
                 self._prefix = self._decoded_prefix(dtype)
             pk, pv = self._prefix
+        elif self.body is not None and self._unpacks():
+            return KV(*(kvarn_tokens(s, r, buf.data if n else None, n, dtype)
+                        for s, r, buf in zip(self.sink, self.body, self.recent)))
         else:
             pk, pv = self._decoded_prefix(dtype)
         if pk.dtype != dtype:
             pk, pv = pk.astype(dtype), pv.astype(dtype)
-        n = self.recent_tokens
         if not n:
             return KV(pk, pv)
         rk, rv = self.recent.k.data[:, :, :n], self.recent.v.data[:, :, :n]
@@ -198,11 +201,17 @@ class KVarNCache(GmlxCache):
             rk, rv = rk.astype(dtype), rv.astype(dtype)
         return KV(mx.concatenate([pk, rk], axis=2), mx.concatenate([pv, rv], axis=2))
 
+    def _unpacks(self) -> bool:
+        """Whether the body decodes with the `kvarn_unpack` kernel (a GPU, and its 128-wide tiles)."""
+        return self._shape[2] in KVARN_HEAD_DIMS and self._shape[3] in KVARN_HEAD_DIMS and \
+            self.uses_kernel("kvarn_unpack")
+
     def _decoded_prefix(self, dtype: mx.Dtype) -> KV:
-        body = self.decoded_body(dtype)
-        if body is None:
+        if self.body is None:
             return self.sink
-        return KV(*(mx.concatenate([s.astype(dtype), b], axis=2) for s, b in zip(self.sink, body)))
+        if self._unpacks():
+            return KV(*(kvarn_tokens(s, r, None, 0, dtype) for s, r in zip(self.sink, self.body)))
+        return KV(*(mx.concatenate([s.astype(dtype), b], axis=2) for s, b in zip(self.sink, self.decoded_body(dtype))))
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention over every region: the fused kernels on a GPU, else softmax over the fetched K/V."""

@@ -4,7 +4,8 @@
 - `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
 - `split_merge`: merges the splits by log-sum-exp and rotates the records' share of the output back;
 - `kvarn_seal`: variance normalization, rounding and packing of records;
-- `kvarn_unpack`: records back to tokens (prefill attention, and K/V for models that read them).
+- `kvarn_unpack`: records back to tokens; with the sink and recent tokens around them and rotated back, a
+  layer's whole K or V in one pass (prefill attention, and K/V for models that read them).
 Kernels take arrays and the layout of `gmlx_lab/records.py`; they know no cache class.
 On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA and Metal sources
 on CPU threads there (`threads.py`, one fiber per GPU lane).
@@ -18,6 +19,7 @@ from .decode import (
            affine_supported,
            kvarn_attend,
            kvarn_supported,
+           kvarn_tokens,
            merge_splits,
            unpack_records,
 )
@@ -26,4 +28,5 @@ from .seal import seal_records
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
 __all__ = ["KERNELS", "MAX_QUERY_TOKENS", "active_backend", "assemble", "affine_attend", "affine_supported",
-           "kvarn_attend", "kvarn_supported", "merge_splits", "seal_records", "selfcheck", "unpack_records"]
+           "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_splits", "seal_records", "selfcheck",
+           "unpack_records"]

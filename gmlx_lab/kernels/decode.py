@@ -322,15 +322,36 @@ def kvarn_supported(parts: KvarnParts, queries: mx.array, mask: Any) -> bool:
 
 def unpack_records(records: Records, dtype: mx.Dtype = mx.float16) -> mx.array:
     """Records with fields (B, H, R, S, ...) decoded to rotated tokens (B, H, R*128, S*128) by the `kvarn_unpack`
-    kernel: what `records.decode_tokens` computes, in one launch (prefill attention and fetched K/V)."""
+    kernel: what `records.decode_tokens` computes, in one launch."""
+    return _unpack(records, None, None, 0, dtype, rotate=False)
+
+
+def kvarn_tokens(sink: mx.array, records: Records, recent: mx.array | None, recent_tokens: int,
+                 dtype: mx.Dtype = mx.float16) -> mx.array:
+    """A kvarn layer's K (or V) in the model's space, (B, H, sink + R*128 + recent_tokens, D), in one
+    `kvarn_unpack` launch: the fp16 sink (B, H, NS, D), the records decoded and rotated back, then the first
+    `recent_tokens` rows of the recent buffer (B, H, CAP, D). What a prefill chunk's attention reads."""
+    return _unpack(records, sink, recent, recent_tokens, dtype, rotate=True)
+
+
+def _unpack(records: Records, sink: mx.array | None, recent: mx.array | None, recent_tokens: int,
+            dtype: mx.Dtype, rotate: bool) -> mx.array:
     b, h, r, s = records.codes.shape[:4]
+    d = s * 128
+    ns = 0 if sink is None else sink.shape[2]
+    nr = recent_tokens if recent is not None else 0
+    absent = mx.zeros((1,), mx.float16)  # never read (no sink, or no recent tokens)
+    sk = sink if ns else absent
+    rk = recent if nr else absent
+    units = (1 if ns else 0) + r + -(-nr // 128)
     (out,) = launch(
         "kvarn_unpack",
         {"c": records.codes, "sa": records.scale_axis, "za": records.zp_axis, "oa": records.other_axis,
-         "params": int_params(r)},
-        {"out": ((b, h, r * 128, s * 128), dtype)},
-        grid=(128, r * s, b * h), threadgroup=(128, 1, 1),
-        template={"B": records.bits, "KIND_K": int(records.kind == "k"), "S": s, "ODT": DTYPE_IDS[dtype]},
+         "sk": sk, "rk": rk, "params": int_params(r, ns, nr, rk.shape[2] if nr else 0)},
+        {"out": ((b, h, ns + r * 128 + nr, d), dtype)},
+        grid=(128, units, b * h), threadgroup=(128, 1, 1),
+        template={"B": records.bits, "KIND_K": int(records.kind == "k"), "S": s, "ROTATE": int(rotate),
+                  "ODT": DTYPE_IDS[dtype]},
     )
     return out
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..records import KV, KvarnParts, decode_tokens, encode_tokens, unpack_rows
 from .build import active_backend, forget_kernels
-from .decode import affine_partials, group_queries, kvarn_partials, merge_splits, unpack_records
+from .decode import affine_partials, group_queries, kvarn_partials, kvarn_tokens, merge_splits, unpack_records
 from .seal import seal_records
 
 TOLERANCE = 1e-2  # relative error against the float32 emulation (the tensor cores take float16 operands)
@@ -83,9 +83,12 @@ def _check_kvarn_seal() -> float:
 
 
 def _check_kvarn_unpack() -> float:
-    mx.random.seed(14)
-    records = encode_tokens(mx.hadamard_transform(mx.random.normal((1, 2, 256, 128))), 6, "k")
-    return _relative(unpack_records(records, mx.float32), decode_tokens(records))
+    """Rotated tokens, and the whole layer's K in the model's space (sink, body rotated back, recent tokens)."""
+    _, parts = _kvarn_case()
+    records, sink, recent = parts.body.k, parts.sink.k, parts.recent.k
+    rotated = _relative(unpack_records(records, mx.float32), decode_tokens(records))
+    whole = mx.concatenate([sink, mx.hadamard_transform(decode_tokens(records)).astype(mx.float16), recent], axis=2)
+    return max(rotated, _relative(kvarn_tokens(sink, records, recent, parts.recent_tokens, mx.float32), whole))
 
 
 CHECKS: dict[str, Callable[[], float]] = {
