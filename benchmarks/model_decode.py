@@ -155,29 +155,6 @@ def uncompiled() -> Any:
 
 
 @contextlib.contextmanager
-def one_kernel() -> Any:
-    """Probe: the split merge is not launched (the split kernel's output is kept alive by `mx.depends`): what
-    the second kernel call per layer costs, i.e. what folding the merge into the split kernel would save."""
-    merge = fused.merge_splits
-    outs: dict[tuple[Any, ...], mx.array] = {}
-
-    def skip(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dtype: mx.Dtype = mx.float32,
-             emulate: bool = False, rotated_splits: int | None = None) -> tuple[mx.array, mx.array]:
-        shape = (part_o.shape[0], part_o.shape[2], part_o.shape[3])
-        if (shape, dtype) not in outs:
-            outs[shape, dtype] = mx.zeros(shape, dtype)
-            mx.eval(outs[shape, dtype])
-        return mx.depends(outs[shape, dtype], part_o), part_lse
-    fused.merge_splits = skip
-    build.forget_kernels()  # compiled graphs hold the merge they were traced with
-    try:
-        yield
-    finally:
-        fused.merge_splits = merge
-        build.forget_kernels()
-
-
-@contextlib.contextmanager
 def fixed_params() -> Any:
     """Probe: the kernels' small parameter array is not made anew when only the token count changed (each step
     now uploads a new one): what that costs. The stale count is never above the true one, so reads stay valid."""
@@ -197,7 +174,7 @@ def fixed_params() -> Any:
         fused.int_params = make
 
 
-PROBES = {"lean-fetch": lean_fetch, "one-kernel": one_kernel, "fixed-params": fixed_params, "uncompiled": uncompiled}
+PROBES = {"lean-fetch": lean_fetch, "fixed-params": fixed_params, "uncompiled": uncompiled}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:

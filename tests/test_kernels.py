@@ -243,6 +243,24 @@ def test_kvarn_fused_matches_reference(case: tuple[int, ...]) -> None:
 
 
 @gpu
+def test_kvarn_merge_counter_is_reused_across_steps() -> None:
+    """With CUDA's source kvarn_decode merges its own splits, counting them in the cache's counter, which each
+    launch must leave zeros: ten decode steps through one cache (one counter), each against the reference."""
+    c = _kvarn_cache(128, 2, 6, 6, 128 + 4 * 128 + 60, 128, seed=3)
+    for step in range(10):
+        k, v = random_kv(1, 2, 128, seed=100 + step)
+        keys, values = c.update_and_fetch(k, v)
+        q = mx.random.normal((1, 8, 1, 128))
+        c.attention_path = "fused"
+        out = c.attend(q, keys, values, 128**-0.5, None)
+        c.attention_path = "reference"
+        ref = c.attend(q, keys, values, 128**-0.5, None)
+        assert _rel(out, ref) < 5e-3, step
+    if decode.kvarn_merges():
+        assert c._counter is not None and not mx.any(c._counter).item()
+
+
+@gpu
 @pytest.mark.parametrize("case", KVARN_CASES[:3])
 def test_kvarn_kernel_equals_emulation(case: tuple[int, ...]) -> None:
     d, hq, hkv, lq, kb, vb, tokens, tail = case

@@ -2,7 +2,8 @@
 
 - `kvarn_decode`: decode attention straight from kvarn records on the tensor cores (split-K, online softmax);
 - `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
-- `split_merge`: merges the splits by log-sum-exp and rotates the records' share of the output back;
+- `split_merge`: merges the splits by log-sum-exp and rotates the records' share of the output back (kvarn_decode
+  does that itself on CUDA, in its last threadgroup per kv head);
 - `kvarn_seal`: variance normalization, rounding and packing of records;
 - `kvarn_unpack`: records back to tokens; with the sink and recent tokens around them and rotated back, a
   layer's whole K or V in one pass (prefill attention, and K/V for models that read them).
@@ -20,6 +21,7 @@ from .decode import (
            kvarn_attend,
            kvarn_supported,
            kvarn_tokens,
+           merge_counter,
            merge_splits,
            unpack_records,
 )
@@ -28,5 +30,5 @@ from .seal import seal_records
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
 __all__ = ["KERNELS", "MAX_QUERY_TOKENS", "active_backend", "assemble", "affine_attend", "affine_supported",
-           "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_splits", "seal_records", "selfcheck",
-           "unpack_records"]
+           "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_counter", "merge_splits", "seal_records",
+           "selfcheck", "unpack_records"]

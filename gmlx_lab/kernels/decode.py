@@ -1,8 +1,8 @@
 """Fused decode attention for kvarn and affine caches: split-K kernels, their merge, and emulations.
 
-The kernels (`kvarn_decode.body`, `affine_decode.body`, then `split_merge.body`) run on a GPU
-backend. `emulate=True` runs the same per-threadgroup algorithm written in pure MLX (per split:
-online softmax over record/tile blocks with the same factored dequantization; then the same
+The kernels (`kvarn_decode.body`, `affine_decode.body`, then `split_merge.body`, which kvarn_decode does
+itself on CUDA) run on a GPU backend. `emulate=True` runs the same per-threadgroup algorithm written in pure
+MLX (per split: online softmax over record/tile blocks with the same factored dequantization; then the same
 log-sum-exp merge), so the CPU can check the kernels' math against the reference attention.
 """
 
@@ -151,6 +151,20 @@ class KvarnPlan(NamedTuple):
     causal: bool
     kbits: int
     vbits: int
+    merge: bool  # the kernel merges its own splits (kvarn_merges)
+
+
+def kvarn_merges() -> bool:
+    """Whether kvarn_decode merges its splits itself (MERGE = 1, one launch a step): with the CUDA source, whose
+    fences make one threadgroup's writes visible to the others; Metal's do not, so there split_merge does it."""
+    return kernel_backend() == "cuda"
+
+
+def merge_counter(batch: int, kv_heads: int, q_heads: int) -> mx.array:
+    """The zeros a merging kvarn_decode counts its finished splits in, one per (kv head, query chunk) for up to
+    MAX_QUERY_TOKENS query tokens; the kernel leaves them zeros. One per cache: two launches that could run at
+    once (two caches in one graph) must not share one."""
+    return mx.zeros((batch * kv_heads * -(-(q_heads // kv_heads) * MAX_QUERY_TOKENS // KVARN_QN),), mx.uint32)
 
 
 def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal: bool,
@@ -162,7 +176,7 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     warps = kvarn_warps(d)
     per, nsr, nsf = kvarn_splits(r, parts.recent_tokens, bh * nchunk, warps, per_warp)
     return KvarnPlan(r, s, parts.sink.k.shape[2], per, nsr, nsf, warps, nchunk, length, causal, kbody.bits,
-                     vbody.bits)
+                     vbody.bits, kvarn_merges())
 
 
 def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
@@ -180,17 +194,22 @@ def kvarn_params(plan: KvarnPlan, recent_tokens: int, cap: int, scale: float) ->
 
 
 def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], params: mx.array,
-                       fparams: mx.array) -> tuple[mx.array, mx.array]:
-    """One kvarn_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg."""
+                       fparams: mx.array, counter: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """One kvarn_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg, and
+    with plan.merge their merge (BH, NQ, D) in qg's dtype (else a placeholder); `counter`: merge_counter's."""
     bh, nq, d = qg.shape
     names = ("kc", "ks", "kz", "ko", "vc", "vs", "vz", "vo", "sk", "sv", "rk", "rv")
     nsplit = plan.nsr + plan.nsf
+    if plan.merge and counter.size < bh * plan.nchunk:
+        raise ValueError(f"kvarn_decode: a counter of {counter.size} for {bh * plan.nchunk} (kv head, query chunk)s")
     return tuple(launch(
-        "kvarn_decode", {"q": qg, **dict(zip(names, arrays)), "params": params, "fparams": fparams},
-        {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32)},
+        "kvarn_decode",
+        {"q": qg, **dict(zip(names, arrays)), "params": params, "fparams": fparams, "counter": counter},
+        {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32),
+         "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype)},
         grid=(32 * plan.warps, nsplit, bh * plan.nchunk), threadgroup=(32 * plan.warps, 1, 1),
         template={"KB": plan.kbits, "VB": plan.vbits, "S": plan.slices, "NQ": nq, "NCHUNK": plan.nchunk,
-                  "L": plan.length, "WARPS": plan.warps, "QDT": DTYPE_IDS[qg.dtype]},
+                  "L": plan.length, "WARPS": plan.warps, "MERGE": int(plan.merge), "QDT": DTYPE_IDS[qg.dtype]},
     ))
 
 
@@ -207,7 +226,9 @@ def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, c
     if emulate:
         return (*_kvarn_emulated(qg * scale, parts, length, causal, plan.per * plan.warps), plan.nsr)
     arrays, cap = kvarn_inputs(parts)
-    return (*kvarn_split_kernel(plan, qg, arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale)), plan.nsr)
+    part_o, part_lse, _ = kvarn_split_kernel(plan, qg, arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale),
+                                             mx.zeros((bh * plan.nchunk,), mx.uint32))
+    return part_o, part_lse, plan.nsr
 
 
 def _flat(field: mx.array) -> mx.array:
@@ -278,12 +299,15 @@ def _kvarn_emulated(qg: mx.array, parts: KvarnParts, length: int, causal: bool, 
     return mx.stack(outs, axis=1), mx.stack(lses, axis=1)
 
 
-def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, emulate: bool = False) -> mx.array:
-    """Decode attention over a kvarn layer in two launches: one split-K kernel over records (rotated queries),
-    sink and recent tokens, and one merge kernel that rotates the records' share of the output back.
+def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, emulate: bool = False,
+                 counter: mx.array | None = None) -> mx.array:
+    """Decode attention over a kvarn layer: one split-K kernel over records (rotated queries), sink and recent
+    tokens, whose last threadgroup per kv head merges the splits and rotates the records' share of the output
+    back (CUDA; on Metal a second launch, split_merge, does that). `counter`: the cache's merge_counter (a
+    fresh one is made each call without it).
 
-    On a GPU the two launches are one compiled graph per launch geometry (`build.run_graph`): a decode step
-    replays it instead of building both kernel calls again in Python."""
+    On a GPU the launches are one compiled graph per launch geometry (`build.run_graph`): a decode step
+    replays it instead of building the kernel calls again in Python."""
     b, hq, length, d = queries.shape
     hkv = parts.sink.k.shape[1]
     causal = isinstance(mask, str) and length > 1
@@ -294,16 +318,19 @@ def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, 
         return ungroup(out, b, hq, length)
     plan = kvarn_plan((hq // hkv) * length, d, b * hkv, parts, length, causal)
     arrays, cap = kvarn_inputs(parts)
-    return run_graph(_kvarn_graph, (plan, hkv), queries, *arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale))
+    counter = merge_counter(b, hkv, hq) if counter is None else counter
+    return run_graph(_kvarn_graph, (plan, hkv), queries, *arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale),
+                     counter)
 
 
 def _kvarn_graph(key: tuple[KvarnPlan, int], queries: mx.array, *arrays: mx.array) -> mx.array:
-    """kvarn decode attention as a graph of arrays: the split kernel, then the merge that rotates back."""
+    """kvarn decode attention as a graph of arrays: the split kernel (merging its splits, or then split_merge)."""
     plan, hkv = key
     b, hq, length, _ = queries.shape
-    *inputs, params, fparams = arrays
-    part_o, part_lse = kvarn_split_kernel(plan, group_queries(queries, hkv), inputs, params, fparams)
-    out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, rotated_splits=plan.nsr)
+    *inputs, params, fparams, counter = arrays
+    part_o, part_lse, out = kvarn_split_kernel(plan, group_queries(queries, hkv), inputs, params, fparams, counter)
+    if not plan.merge:
+        out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, rotated_splits=plan.nsr)
     return ungroup(out, b, hq, length)
 
 

@@ -23,6 +23,7 @@
 #define THREAD
 #define SHARED_PTR
 #define WARP_BARRIER() gmlx_warp_barrier()
+#define DEVICE_FENCE() ((void)0)                 // threadgroups run one after another here
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -47,6 +48,10 @@ FN int max(int a, int b) { return a > b ? a : b; }
 // ---- loads and stores of any float type ----
 template <typename T> FN float load_f(T x) { return static_cast<float>(x); }
 template <typename T> FN void store_f(T* p, float x) { *p = static_cast<T>(x); }
+
+// ---- a counter written through a read-only input (threadgroups run in turn: plain operations) ----
+FN u32 atomic_ticket(const u32* p) { return (*const_cast<u32*>(p))++; }
+FN void atomic_reset(const u32* p) { *const_cast<u32*>(p) = 0u; }
 
 // ---- warp shuffles and reductions ----
 FN float simd_shuffle_f(float x, u32 lane) {

@@ -33,6 +33,12 @@ FN float simd_shuffle_xor_f(float x, u32 mask) { return __shfl_xor_sync(0xffffff
 #define SHARED_PTR
 #define WARP_BARRIER() __syncwarp()              // the 32 lanes of a warp wait here (shared-memory exchange)
 
+// Threadgroups of one launch meeting in device memory (kvarn_decode's MERGE): a fence after which this
+// thread's writes are visible to every threadgroup, and a counter written through a read-only input.
+#define DEVICE_FENCE() __threadfence()
+FN u32 atomic_ticket(const u32* p) { return atomicAdd(const_cast<u32*>(p), 1u); }
+FN void atomic_reset(const u32* p) { atomicExch(const_cast<u32*>(p), 0u); }
+
 // float16 pairs held in a u32 (the smaller index in the low half), and one float16 from its bits.
 FN u32 pack_half2(float lo, float hi) { const __half2 h = __floats2half2_rn(lo, hi); return *reinterpret_cast<const u32*>(&h); }
 FN float half_bits_to_float(u32 bits) { return __half2float(__ushort_as_half((unsigned short)bits)); }

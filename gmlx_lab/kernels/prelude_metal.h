@@ -31,6 +31,15 @@ FN float simd_shuffle_xor_f(float x, u32 mask) { return simd_shuffle_xor(x, usho
 #define SHARED_PTR threadgroup
 #define WARP_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
 
+// A counter written through a read-only input, and a device-memory fence. Metal orders device memory only
+// inside a threadgroup, so no kernel here lets threadgroups of one launch meet (kvarn_decode runs MERGE = 0);
+// these keep the shared bodies compiling.
+#define DEVICE_FENCE() threadgroup_barrier(mem_flags::mem_device)
+FN u32 atomic_ticket(const device u32* p) {
+  return atomic_fetch_add_explicit((device atomic_uint*)p, 1u, memory_order_relaxed);
+}
+FN void atomic_reset(const device u32* p) { atomic_store_explicit((device atomic_uint*)p, 0u, memory_order_relaxed); }
+
 // float16 pairs held in a u32 (the smaller index in the low half), and one float16 from its bits.
 FN u32 pack_half2(float lo, float hi) { return as_type<uint>(half2(lo, hi)); }
 FN float half_bits_to_float(u32 bits) { return float(as_type<half>(ushort(bits))); }

@@ -18,7 +18,15 @@ import mlx.core as mx
 
 from ..records import KV, KvarnParts, decode_tokens, encode_tokens, unpack_rows
 from .build import active_backend, forget_kernels
-from .decode import affine_partials, group_queries, kvarn_partials, kvarn_tokens, merge_splits, unpack_records
+from .decode import (
+    affine_partials,
+    group_queries,
+    kvarn_attend,
+    kvarn_partials,
+    kvarn_tokens,
+    merge_splits,
+    unpack_records,
+)
 from .seal import seal_records
 
 TOLERANCE = 1e-2  # relative error against the float32 emulation (the tensor cores take float16 operands)
@@ -43,22 +51,26 @@ def _relative(a: mx.array, b: mx.array) -> float:
 
 
 def _kvarn_case() -> tuple[mx.array, KvarnParts]:
-    """Grouped queries and a small kvarn layer: 2 records, the sink and 130 recent tokens, head_dim 128."""
+    """Queries (1, 4, 1, 128) and a small kvarn layer: 2 records, the sink and 130 recent tokens, 2 kv heads."""
     mx.random.seed(11)
     x = mx.random.normal((2, 1, 2, 128 + 2 * 128 + 130, 128)).astype(mx.float16)
     k, v = x[0], x[1]
     body = KV(*(encode_tokens(mx.hadamard_transform(t[:, :, 128:384]), 4, kind) for t, kind in ((k, "k"), (v, "v"))))
     parts = KvarnParts(KV(k[:, :, :128], v[:, :, :128]), body, KV(k[:, :, 384:], v[:, :, 384:]), 130)
-    return group_queries(mx.random.normal((1, 4, 1, 128)).astype(mx.float16), 2), parts
+    return mx.random.normal((1, 4, 1, 128)).astype(mx.float16), parts
 
 
 def _check_kvarn_decode() -> float:
-    qg, parts = _kvarn_case()
+    """The decode attention as the caches run it (on CUDA one launch that merges its splits; else with
+    split_merge), and the split partials with split_merge, each against the emulation."""
+    q, parts = _kvarn_case()
+    ref = kvarn_attend(q, 0.09, None, parts, emulate=True)
+    qg = group_queries(q, 2)
     ko, kl, kn = kvarn_partials(qg, 0.09, parts, 1, False, per_warp=1)
     eo, el, _ = kvarn_partials(qg, 0.09, parts, 1, False, per_warp=1, emulate=True)
     out, _ = merge_splits(ko, kl, rotate=True, rotated_splits=kn)
-    ref, _ = merge_splits(eo, el, rotate=True, emulate=True, rotated_splits=kn)
-    return _relative(out, ref)
+    want, _ = merge_splits(eo, el, rotate=True, emulate=True, rotated_splits=kn)
+    return max(_relative(kvarn_attend(q, 0.09, None, parts), ref), _relative(out, want))
 
 
 def _check_affine_decode() -> float:

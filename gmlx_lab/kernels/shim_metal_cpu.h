@@ -60,6 +60,11 @@ enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup 
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(unsigned(a) | unsigned(b)); }
 inline void threadgroup_barrier(mem_flags) { gmlx_block_barrier(); }
 inline void simdgroup_barrier(mem_flags) { gmlx_warp_barrier(); }
+// device atomics: threadgroups run one after another here, so plain operations
+struct atomic_uint { uint value; };
+enum memory_order { memory_order_relaxed };
+inline uint atomic_fetch_add_explicit(atomic_uint* p, uint x, memory_order) { const uint old = p->value; p->value += x; return old; }
+inline void atomic_store_explicit(atomic_uint* p, uint x, memory_order) { p->value = x; }
 
 // Every lane's value of `x` (up to 8 bytes), after the SIMD group's exchange: all[lane][0..].
 template <typename T> inline const GmlxRow* simd_values(T x) {
