@@ -256,7 +256,7 @@ def test_kvarn_merge_counter_is_reused_across_steps() -> None:
         c.attention_path = "reference"
         ref = c.attend(q, keys, values, 128**-0.5, None)
         assert _rel(out, ref) < 5e-3, step
-    if decode.kvarn_merges():
+    if decode.kernel_merges():
         assert c._counter is not None and not mx.any(c._counter).item()
 
 

@@ -17,6 +17,7 @@ from .build import active_backend, assemble
 from .decode import (
            MAX_QUERY_TOKENS,
            affine_attend,
+           affine_counter,
            affine_supported,
            kvarn_attend,
            kvarn_supported,
@@ -29,6 +30,6 @@ from .seal import seal_records
 
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
-__all__ = ["KERNELS", "MAX_QUERY_TOKENS", "active_backend", "assemble", "affine_attend", "affine_supported",
-           "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_counter", "merge_splits", "seal_records",
-           "selfcheck", "unpack_records"]
+__all__ = ["KERNELS", "MAX_QUERY_TOKENS", "active_backend", "assemble", "affine_attend", "affine_counter",
+           "affine_supported", "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_counter", "merge_splits",
+           "seal_records", "selfcheck", "unpack_records"]

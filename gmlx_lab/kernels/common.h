@@ -31,3 +31,19 @@ FN u64 window8(GLOBAL_CONST uint32_t* row, u32 g, u32 b) {
 FN float rescale_factor(float m_old, float m_new) { return (m_old == NEG_INF) ? 0.0f : exp(m_old - m_new); }
 FN float softmax_weight(float s, float m) { return (s == NEG_INF) ? 0.0f : exp(s - m); }
 FN float clip_f(float x, float lo, float hi) { return fmin(fmax(x, lo), hi); }   // as mx.clip
+
+// The unnormalized Walsh-Hadamard transform of `rows` rows of `d` floats (a power of two) in threadgroup
+// memory, by log2(d) butterfly stages x[i], x[i ^ h] -> x[i] + x[i ^ h], x[i] - x[i ^ h], shared by the
+// `threads` threads of the group (this one: tid). A barrier comes before each stage, none after the last.
+FN void hadamard_rows(SHARED_PTR float* x, u32 rows, u32 d, u32 tid, u32 threads) {
+  for (u32 h = 1; h < d; h <<= 1) {
+    BARRIER();
+    for (u32 i = tid; i < rows * d / 2u; i += threads) {
+      const u32 j = i / (d / 2u), k = i % (d / 2u);
+      const u32 lo = j * d + (k / h) * 2u * h + k % h, hi = lo + h;
+      const float a = x[lo], b = x[hi];
+      x[lo] = a + b;
+      x[hi] = a - b;
+    }
+  }
+}

@@ -151,12 +151,13 @@ class KvarnPlan(NamedTuple):
     causal: bool
     kbits: int
     vbits: int
-    merge: bool  # the kernel merges its own splits (kvarn_merges)
+    merge: bool  # the kernel merges its own splits (kernel_merges)
 
 
-def kvarn_merges() -> bool:
-    """Whether kvarn_decode merges its splits itself (MERGE = 1, one launch a step): with the CUDA source, whose
-    fences make one threadgroup's writes visible to the others; Metal's do not, so there split_merge does it."""
+def kernel_merges() -> bool:
+    """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): with
+    the CUDA source, whose fences make one threadgroup's writes visible to the others; Metal's do not, so there
+    split_merge does it."""
     return kernel_backend() == "cuda"
 
 
@@ -176,7 +177,7 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     warps = kvarn_warps(d)
     per, nsr, nsf = kvarn_splits(r, parts.recent_tokens, bh * nchunk, warps, per_warp)
     return KvarnPlan(r, s, parts.sink.k.shape[2], per, nsr, nsf, warps, nchunk, length, causal, kbody.bits,
-                     vbody.bits, kvarn_merges())
+                     vbody.bits, kernel_merges())
 
 
 def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
@@ -395,14 +396,16 @@ class AffinePlan(NamedTuple):
     group_size: int
     length: int  # query tokens
     causal: bool
+    rotate: bool  # a rotated cache: the merged output is rotated back
+    merge: bool  # the kernel merges its own splits (kernel_merges)
 
 
 def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: int, length: int, causal: bool,
-                per_split: int | None = None) -> AffinePlan:
+                per_split: int | None = None, rotate: bool = False) -> AffinePlan:
     """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads."""
     qb, nchunk = _chunks(nq, affine_qb_max(d))
     per = 128 * (per_split or split_size(-(-tokens // 128), bh * nchunk))
-    return AffinePlan(per, -(-tokens // per), qb, nchunk, bits, group_size, length, causal)
+    return AffinePlan(per, -(-tokens // per), qb, nchunk, bits, group_size, length, causal, rotate, kernel_merges())
 
 
 def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
@@ -410,18 +413,29 @@ def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tupl
     return int_params(tokens, cap, plan.per, int(plan.causal)), float_params(scale)
 
 
+def affine_counter(batch: int, kv_heads: int, q_heads: int, head_dim: int) -> mx.array:
+    """The zeros a merging affine_decode counts its finished splits in (see merge_counter), for up to
+    MAX_QUERY_TOKENS query tokens."""
+    _, nchunk = _chunks((q_heads // kv_heads) * MAX_QUERY_TOKENS, affine_qb_max(head_dim))
+    return mx.zeros((batch * kv_heads * nchunk,), mx.uint32)
+
+
 def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], vparts: list[mx.array],
-                        params: mx.array, fparams: mx.array) -> tuple[mx.array, mx.array]:
-    """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg."""
+                        params: mx.array, fparams: mx.array, counter: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg, and with
+    plan.merge their merge (BH, NQ, D) in qg's dtype, rotated back if plan.rotate (else a placeholder)."""
     bh, nq, d = qg.shape
+    if plan.merge and counter.size < bh * plan.nchunk:
+        raise ValueError(f"affine_decode: a counter of {counter.size} for {bh * plan.nchunk} (kv head, query chunk)s")
     inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
-              "vbi": vparts[2], "params": params, "fparams": fparams}
+              "vbi": vparts[2], "params": params, "fparams": fparams, "counter": counter}
     return tuple(launch(
         "affine_decode", inputs,
-        {"part_o": ((bh, plan.nsplit, nq, d), mx.float32), "part_lse": ((bh, plan.nsplit, nq), mx.float32)},
+        {"part_o": ((bh, plan.nsplit, nq, d), mx.float32), "part_lse": ((bh, plan.nsplit, nq), mx.float32),
+         "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype)},
         grid=(128, plan.nsplit, bh * plan.nchunk), threadgroup=(128, 1, 1),
         template={"BITS": plan.bits, "GS": plan.group_size, "D": d, "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk,
-                  "L": plan.length, "QDT": DTYPE_IDS[qg.dtype]},
+                  "L": plan.length, "MERGE": int(plan.merge), "ROTATE": int(plan.rotate), "QDT": DTYPE_IDS[qg.dtype]},
     ))
 
 
@@ -434,7 +448,10 @@ def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: 
     if emulate:
         return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, bits, group_size, length,
                                 causal, plan.per)
-    return affine_split_kernel(plan, qg, kparts, vparts, *affine_params(plan, tokens, kparts[0].shape[2], scale))
+    part_o, part_lse, _ = affine_split_kernel(plan, qg, kparts, vparts, *affine_params(plan, tokens, kparts[0].shape[2],
+                                                                                      scale),
+                                              mx.zeros((bh * plan.nchunk,), mx.uint32))
+    return part_o, part_lse
 
 
 def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, bits: int,
@@ -486,11 +503,12 @@ def _unpack_affine(words: mx.array, bits: int, d: int) -> mx.array:
 
 
 def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[mx.array]], tokens: int, bits: int,
-                  group_size: int, rotate: bool, emulate: bool = False) -> mx.array:
-    """Decode attention over affine codes: one split-K kernel, one merge kernel (which also rotates the output
-    back for a rotated cache); no dequantized copy. parts: K and V buffers [codes, scales, biases] of
-    (B, Hkv, CAP, ...) whose first `tokens` rows hold tokens. On a GPU the whole is one compiled graph per
-    launch geometry (`build.run_graph`), as for kvarn."""
+                  group_size: int, rotate: bool, emulate: bool = False, counter: mx.array | None = None) -> mx.array:
+    """Decode attention over affine codes: one split-K kernel whose last threadgroup per kv head merges the splits
+    and, for a rotated cache, rotates the output back (CUDA; elsewhere a second launch, split_merge); no
+    dequantized copy. parts: K and V buffers [codes, scales, biases] of (B, Hkv, CAP, ...) whose first `tokens`
+    rows hold tokens; `counter`: the cache's affine_counter (a fresh one each call without it). On a GPU the
+    whole is one compiled graph per launch geometry (`build.run_graph`), as for kvarn."""
     b, hq, length, d = queries.shape
     kparts, vparts = parts
     hkv = kparts[0].shape[1]
@@ -501,20 +519,23 @@ def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[m
                                            length, causal, emulate=True)
         out, _ = merge_splits(part_o, part_lse, rotate=rotate, dtype=queries.dtype, emulate=True)
         return ungroup(out, b, hq, length)
-    plan = affine_plan((hq // hkv) * length, d, b * hkv, tokens, bits, group_size, length, causal)
+    plan = affine_plan((hq // hkv) * length, d, b * hkv, tokens, bits, group_size, length, causal, rotate=rotate)
     params = affine_params(plan, tokens, kparts[0].shape[2], scale)
-    return run_graph(_affine_graph, (plan, hkv, rotate), queries, *kparts, *vparts, *params)
+    counter = affine_counter(b, hkv, hq, d) if counter is None else counter
+    return run_graph(_affine_graph, (plan, hkv), queries, *kparts, *vparts, *params, counter)
 
 
-def _affine_graph(key: tuple[AffinePlan, int, bool], queries: mx.array, *arrays: mx.array) -> mx.array:
-    """affine decode attention as a graph of arrays: rotate the queries (affine_rot), split kernel, merge."""
-    plan, hkv, rotate = key
+def _affine_graph(key: tuple[AffinePlan, int], queries: mx.array, *arrays: mx.array) -> mx.array:
+    """affine decode attention as a graph of arrays: rotate the queries (affine_rot), split kernel (merging its
+    splits, or then split_merge)."""
+    plan, hkv = key
     b, hq, length, _ = queries.shape
-    kw, ksc, kbi, vw, vsc, vbi, params, fparams = arrays
-    q = mx.hadamard_transform(queries) if rotate else queries
-    part_o, part_lse = affine_split_kernel(plan, group_queries(q, hkv), [kw, ksc, kbi], [vw, vsc, vbi], params,
-                                           fparams)
-    out, _ = merge_splits(part_o, part_lse, rotate=rotate, dtype=queries.dtype)
+    kw, ksc, kbi, vw, vsc, vbi, params, fparams, counter = arrays
+    q = mx.hadamard_transform(queries) if plan.rotate else queries
+    part_o, part_lse, out = affine_split_kernel(plan, group_queries(q, hkv), [kw, ksc, kbi], [vw, vsc, vbi], params,
+                                                fparams, counter)
+    if not plan.merge:
+        out, _ = merge_splits(part_o, part_lse, rotate=plan.rotate, dtype=queries.dtype)
     return ungroup(out, b, hq, length)
 
 

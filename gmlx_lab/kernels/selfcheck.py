@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..records import KV, KvarnParts, decode_tokens, encode_tokens, unpack_rows
 from .build import active_backend, forget_kernels
 from .decode import (
+    affine_attend,
     affine_partials,
     group_queries,
     kvarn_attend,
@@ -74,14 +75,19 @@ def _check_kvarn_decode() -> float:
 
 
 def _check_affine_decode() -> float:
+    """As for kvarn: the route the caches take (a rotated cache's, which also rotates back), and the split
+    partials with split_merge, against the emulation."""
     mx.random.seed(12)
     k, v = (mx.random.normal((1, 2, 300, 128)) for _ in range(2))
     parts = [list(mx.quantize(t.astype(mx.float16), group_size=64, bits=4)) for t in (k, v)]
-    qg = group_queries(mx.random.normal((1, 4, 1, 128)).astype(mx.float16), 2)
+    q = mx.random.normal((1, 4, 1, 128)).astype(mx.float16)
+    qg = group_queries(q, 2)
     out, _ = merge_splits(*affine_partials(qg, 0.09, parts[0], parts[1], 300, 4, 64, 1, False, per_split=1))
     ref, _ = merge_splits(*affine_partials(qg, 0.09, parts[0], parts[1], 300, 4, 64, 1, False, per_split=1,
                                            emulate=True), emulate=True)
-    return _relative(out, ref)
+    routed = affine_attend(q, 0.09, None, parts, 300, 4, 64, rotate=True)
+    want = affine_attend(q, 0.09, None, parts, 300, 4, 64, rotate=True, emulate=True)
+    return max(_relative(out, ref), _relative(routed, want))
 
 
 def _check_kvarn_seal() -> float:
