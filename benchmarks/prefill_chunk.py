@@ -9,7 +9,8 @@ evaluated runs on copies of that cache (so every run sees the same state):
             attention of the chunk's queries over what it returned (mlx-lm's SDPA seam), evaluated;
 and its pieces, on arrays of the same sizes:
   seal      kvarn: rotating and sealing one chunk's worth of groups, K and V (the kvarn_seal kernel on a GPU);
-  decode    kvarn: the body decoded back to tokens and rotated back (what a chunk's attention reads);
+  decode    kvarn: the K/V a chunk's attention reads (`fetch`): the sink, the body decoded and rotated back,
+            the recent tokens (on a GPU one kvarn_unpack launch each for K and V);
   sdpa      fp16 attention of the chunk's queries over context + chunk tokens (causal), the same for every
             scheme: what the fp16 baseline's chunk costs beside its cache write.
 Ratios are to fp16's `chunk` at the same context, measured in the same run.
@@ -74,7 +75,7 @@ def filled(make: Callable[[], Any], context: int, chunk: int, dtype: mx.Dtype) -
 
 
 def kvarn_pieces(cache: KVarNCache, chunk: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
-    """kvarn's share of a chunk: sealing a chunk's worth of groups (K and V), and decoding the body."""
+    """kvarn's share of a chunk: sealing a chunk's worth of groups (K and V), and fetching the decoded K/V."""
     seal = seal_records if active_backend() != "cpu" else encode_tokens
     groups = mx.random.normal((1, HKV, chunk // TILE * TILE, D)).astype(mx.float16)
     mx.eval(groups)
@@ -83,7 +84,7 @@ def kvarn_pieces(cache: KVarNCache, chunk: int, repeats: int, dtype: mx.Dtype) -
            "seal_ms": median_ms(lambda: [a for bits, kind in kinds
                                          for a in seal(mx.hadamard_transform(groups), bits, kind).arrays], repeats)}
     if cache.n_records:
-        out["decode_ms"] = median_ms(lambda: list(cache.decoded_body(dtype)), repeats)
+        out["decode_ms"] = median_ms(lambda: list(cache.fetch(dtype)), repeats)
     return out
 
 
