@@ -5,14 +5,16 @@ Usage:
   python benchmarks/model_decode.py --shape llama3-8b --contexts 8192,32768,131072 \\
       --out benchmarks/results/model_decode-h200.json   # GPU: Llama-3-8B shapes, random weights
 
-For each context and scheme, with a fresh cache:
+For each context, every scheme side by side, each with a fresh cache (all kept until the context is done):
   1. prefill: `context` tokens through `model(...)` in chunks of `--prefill-step`, then `mx.eval` of the
      cache state; prefill_tokens_per_s = context / seconds; `cache_bytes` is the cache's resident bytes then
      (mlx-lm's `nbytes` for its own caches, ours `.nbytes`); `peak_memory` is `mx.get_peak_memory()` over
-     the prefill and decode, the weights included;
-  2. decode: `mlx_lm.generate_step` (greedy, async-eval pipelining) from the greedy next token, for
-     `--decode` tokens; the wall-clock interval between consecutive yielded tokens is one token's time, the
-     first token (pipeline start) left out; decode_tokens_per_s = 1000 / mean ms;
+     the prefill, the weights included and the other schemes' caches left out;
+  2. decode, in `--rounds` rounds: in each, every scheme in turn decodes its share of `--decode` tokens with
+     `mlx_lm.generate_step` (greedy, async-eval pipelining) from where its last round stopped, so a slow
+     spell of the machine falls on every scheme alike; the wall-clock interval between consecutive yielded
+     tokens is one token's time, each round's first token (pipeline start) left out;
+     decode_tokens_per_s = 1000 / mean ms;
   3. graph building: `--build-steps` more decode steps run one at a time, timing the Python call that builds
      the step's graph (`model(...)` plus the argmax) apart from its evaluation; `build_us_per_layer` spreads
      it over the layers. Where the build time is close to the decode interval, the step is bound by the host.
@@ -243,52 +245,93 @@ def profile_decode(model: nn.Module, cache: Any, first: int, n: int, top: int = 
     return sorted(rows, key=lambda r: -r["own_ms"])[:top]
 
 
-def run_scheme(model: nn.Module, spec: str, tokens: mx.array, args: argparse.Namespace,
-               report: bool = True) -> dict[str, Any]:
-    """Prefill, bytes, decode and graph-building timings of one scheme (or "scheme/probes") at one context."""
-    name = spec
-    spec, _, probe_text = spec.partition("/")
-    probes = parse_probes(name)[0][1] if probe_text else []
-    layers = len(model.layers)
-    cache, label = new_cache(model, spec)
-    row: dict[str, Any] = {"scheme": name, "label": label + "".join(f", probe {p}" for p in probes),
-                           "context": int(tokens.size), "weight_bits": args.weights}
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    try:
-        first, prefill_s = prefill(model, cache, tokens, args.prefill_step)
-    except Exception as err:  # noqa: BLE001  (mlx-lm's own caches may not run here: recorded, not hidden)
-        row["error"] = f"prefill: {type(err).__name__}: {err}"[:400]
-        return row
-    row["cache_bytes"] = cache_bytes(cache)
-    n_decode = args.decode if report else 4
-    with contextlib.ExitStack() as stack:  # probes change decode steps only; the prefill ran as it is
-        for probe in probes:
+class Run:
+    """One scheme (or "scheme/probes") at one context: its cache, its row, and what its decode rounds gathered."""
+
+    def __init__(self, model: nn.Module, name: str, args: argparse.Namespace):
+        spec, _, probe_text = name.partition("/")
+        self.probes = parse_probes(name)[0][1] if probe_text else []
+        self.cache, label = new_cache(model, spec)
+        self.row: dict[str, Any] = {"scheme": name, "label": label + "".join(f", probe {p}" for p in self.probes),
+                                    "weight_bits": args.weights}
+        self.intervals: list[float] = []
+        self.out: list[int] = []
+        self.next = 0  # the greedy token the next round starts from
+
+    @property
+    def failed(self) -> bool:
+        return "error" in self.row
+
+    def probed(self) -> contextlib.ExitStack:
+        """The probes' changes to decode steps (the prefill runs as it is)."""
+        stack = contextlib.ExitStack()
+        for probe in self.probes:
             stack.enter_context(PROBES[probe]())
+        return stack
+
+    def prefill(self, model: nn.Module, tokens: mx.array, args: argparse.Namespace, resident: int) -> None:
+        """Prefill the cache; `resident`: bytes the other runs' caches hold (left out of this one's peak)."""
+        self.row["context"] = int(tokens.size)
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
         try:
-            intervals, out = decode(model, cache, first, n_decode)
-        except Exception as err:  # noqa: BLE001
-            row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
-            return row
-        builds, evals = build_times(model, cache, out[-1], args.build_steps if report else 2)
-        profile = profile_decode(model, cache, out[-1], args.profile) if report and args.profile else None
-    mean, median = statistics.mean(intervals), statistics.median(intervals)
-    build = statistics.median(builds)
-    row.update({
-        "prefill_s": round(prefill_s, 3), "prefill_tokens_per_s": round(tokens.size / prefill_s, 1),
-        "decode_tokens_per_s": round(1e3 / mean, 2), "decode_ms_median": round(median, 3),
-        "decode_ms_mean": round(mean, 3), "decode_ms_min": round(min(intervals), 3),
-        "decode_ms_max": round(max(intervals), 3), "timed_tokens": len(intervals),
-        "build_us_per_step": round(build, 1), "build_us_per_layer": round(build / layers, 2),
-        "eval_us_per_step": round(statistics.median(evals), 1),
-        "peak_memory": mx.get_peak_memory(), "generated": out[:8],
-    })
-    if getattr(cache, "policy", None) is not None:
-        row["policy"] = str(cache.policy)
-    if profile is not None:
-        row["profile"] = profile
-    return row
+            self.next, seconds = prefill(model, self.cache, tokens, args.prefill_step)
+        except Exception as err:  # noqa: BLE001  (mlx-lm's own caches may not run here: recorded, not hidden)
+            self.row["error"] = f"prefill: {type(err).__name__}: {err}"[:400]
+            return
+        self.row.update({"cache_bytes": cache_bytes(self.cache), "prefill_s": round(seconds, 3),
+                         "prefill_tokens_per_s": round(tokens.size / seconds, 1),
+                         "peak_memory": mx.get_peak_memory() - resident})
+
+    def decode_round(self, model: nn.Module, n: int) -> None:
+        """n more greedy tokens from where the last round stopped; their intervals join the row's."""
+        with self.probed():
+            try:
+                intervals, out = decode(model, self.cache, self.next, n)
+            except Exception as err:  # noqa: BLE001
+                self.row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
+                return
+        self.intervals += intervals
+        self.out += out
+        self.next = out[-1]
+
+    def finish(self, model: nn.Module, args: argparse.Namespace) -> dict[str, Any]:
+        """Graph-building times and the profile, then the row's statistics."""
+        if self.failed:
+            return self.row
+        with self.probed():
+            builds, evals = build_times(model, self.cache, self.next, args.build_steps)
+            profile = profile_decode(model, self.cache, self.next, args.profile) if args.profile else None
+        mean, median = statistics.mean(self.intervals), statistics.median(self.intervals)
+        build = statistics.median(builds)
+        self.row.update({
+            "decode_tokens_per_s": round(1e3 / mean, 2), "decode_ms_median": round(median, 3),
+            "decode_ms_mean": round(mean, 3), "decode_ms_min": round(min(self.intervals), 3),
+            "decode_ms_max": round(max(self.intervals), 3), "timed_tokens": len(self.intervals),
+            "build_us_per_step": round(build, 1), "build_us_per_layer": round(build / len(model.layers), 2),
+            "eval_us_per_step": round(statistics.median(evals), 1), "generated": self.out[:8],
+        })
+        if getattr(self.cache, "policy", None) is not None:
+            self.row["policy"] = str(self.cache.policy)
+        if profile is not None:
+            self.row["profile"] = profile
+        return self.row
+
+
+def run_context(model: nn.Module, specs: list[str], tokens: mx.array, args: argparse.Namespace,
+                rounds: int, per_round: int) -> list[dict[str, Any]]:
+    """Every scheme at one context, side by side: each prefills its own cache (all kept), then `rounds` rounds
+    in which each decodes `per_round` tokens in turn, so a slow spell of the machine is shared by all."""
+    runs = [Run(model, spec, args) for spec in specs]
+    base = mx.get_active_memory()
+    for run in runs:
+        run.prefill(model, tokens, args, mx.get_active_memory() - base)
+    for _ in range(rounds):
+        for run in runs:
+            if not run.failed:
+                run.decode_round(model, per_round)
+    return [run.finish(model, args) for run in runs]
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -325,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", default=None, help="default: " + "; ".join(f"{k}: {v}" for k, v in
                                                                                  DEFAULT_SCHEMES.items()))
     parser.add_argument("--contexts", default="4096", help="comma-separated context lengths")
-    parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=128, help="timed tokens per scheme, over all rounds")
+    parser.add_argument("--rounds", type=int, default=4, help="decode rounds; each scheme decodes in turn in each")
     parser.add_argument("--build-steps", type=int, default=16)
     parser.add_argument("--prefill-step", type=int, default=2048)
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many decode tokens per row")
@@ -335,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/model_decode-cpu.json")
     args = parser.parse_args(argv)
-    if args.decode < 3:
-        parser.error("--decode needs at least 3 tokens (the first is not timed)")
+    if args.rounds < 1 or args.decode < 2 * args.rounds:
+        parser.error("--decode needs at least 2 timed tokens per round (--rounds >= 1)")
     contexts = [int(c) for c in args.contexts.split(",")]
     if any(c < 1 for c in contexts):
         parser.error(f"--contexts must be positive ints, got {args.contexts!r}")
@@ -360,19 +404,19 @@ def main(argv: list[str] | None = None) -> int:
         specs += [f"{spec}/{'+'.join(names)}" for spec, names in probes]
     rows: list[dict[str, Any]] = []
     warm = context_tokens(tokenizer, model, 2048 + 1024 + 256, source, args.seed + 1)
-    for spec in specs:
-        run_scheme(model, spec, warm, args, report=False)  # compiles kernels; not reported
+    warm_args = argparse.Namespace(**{**vars(args), "build_steps": 2, "profile": 0})
+    run_context(model, specs, warm, warm_args, 1, 4)  # compiles kernels; not reported
+    per_round = -(-args.decode // args.rounds) + 1  # each round's first token is not timed
     for n in contexts:
+        gc.collect()
+        mx.clear_cache()
         tokens = context_tokens(tokenizer, model, n, source, args.seed)
-        for spec in specs:
-            rows.append(run_scheme(model, spec, tokens, args))
-            r = rows[-1]
+        for r in run_context(model, specs, tokens, args, args.rounds, per_round):
+            rows.append(r)
             msg = r.get("error") or (f"{r['decode_ms_median']:7.2f} ms/token  prefill {r['prefill_s']:6.2f} s  "
                                      f"build {r['build_us_per_layer']:6.1f} us/layer")
-            print(f"{n:7d} {spec:16s} {msg}", file=sys.stderr, flush=True)
-            write_result(args, argv, model, source, rows, time.perf_counter() - t0, final=False)
-            gc.collect()
-            mx.clear_cache()
+            print(f"{n:7d} {r['scheme']:16s} {msg}", file=sys.stderr, flush=True)
+        write_result(args, argv, model, source, rows, time.perf_counter() - t0, final=False)
     add_ratios(rows)
     write_result(args, argv, model, source, rows, time.perf_counter() - t0, final=True)
     print(f"\n{model_name(model)}, {device_name()} ({active_backend()}), weights {args.weights}-bit")
