@@ -243,10 +243,14 @@ def test_kvarn_fused_matches_reference(case: tuple[int, ...]) -> None:
 
 
 @gpu
-def test_kvarn_merge_counter_is_reused_across_steps() -> None:
-    """With CUDA's source kvarn_decode merges its own splits, counting them in the cache's counter, which each
-    launch must leave zeros: ten decode steps through one cache (one counter), each against the reference."""
-    c = _kvarn_cache(128, 2, 6, 6, 128 + 4 * 128 + 60, 128, seed=3)
+@pytest.mark.parametrize("scheme", ["kvarn", "affine_rot"])
+def test_merging_kernels_hand_their_counter_on(scheme: str) -> None:
+    """With CUDA's source the decode kernels merge their own splits, counting them in a counter each launch
+    hands to the next (decode.SplitCounter): ten decode steps through one cache, each against the reference,
+    then eight calls built before any is evaluated (on a GPU, calls that shared one counter could run side by
+    side and mix their tickets)."""
+    c = _kvarn_cache(128, 2, 6, 6, 128 + 4 * 128 + 60, 128, seed=3) if scheme == "kvarn" else \
+        _affine_cache(4, 64, 128, 128 * 9 + 61, seed=3, rotate=True)
     for step in range(10):
         k, v = random_kv(1, 2, 128, seed=100 + step)
         keys, values = c.update_and_fetch(k, v)
@@ -256,8 +260,13 @@ def test_kvarn_merge_counter_is_reused_across_steps() -> None:
         c.attention_path = "reference"
         ref = c.attend(q, keys, values, 128**-0.5, None)
         assert _rel(out, ref) < 5e-3, step
-    if decode.kernel_merges():
-        assert c._counter is not None and not mx.any(c._counter).item()
+    qs = [mx.random.normal((1, 8, 1, 128)) for _ in range(8)]
+    c.attention_path = "fused"
+    outs = [c.attend(q, keys, values, 128**-0.5, None) for q in qs]
+    c.attention_path = "reference"
+    refs = [c.attend(q, keys, values, 128**-0.5, None) for q in qs]
+    mx.eval(outs, refs)
+    assert max(_rel(o, r) for o, r in zip(outs, refs)) < 5e-3
 
 
 @gpu

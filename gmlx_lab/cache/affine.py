@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import active_backend, affine_attend, affine_counter, affine_supported
+from ..kernels import SplitCounter, active_backend, affine_attend, affine_supported
 from ..registry import get_scheme
 from ..window import GROUP, SINK_TOKENS, groups_to_drop
 from .attention import apply_mask
@@ -45,7 +45,7 @@ class AffineCache(GmlxCache):
         self.scheme = "affine_rot" if rotate else "affine"
         self.fp16: tuple[GrowingBuffer, GrowingBuffer] | None = (GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
         self.packed: list[list[GrowingBuffer]] | None = None  # [keys, values] x [codes, scales, biases]
-        self._counter: mx.array | None = None  # the fused decode kernel's merge counter (kernels.affine_counter)
+        self._counter = SplitCounter()  # the fused decode kernel's merge counter
 
     @property
     def quantized(self) -> bool:
@@ -131,9 +131,6 @@ class AffineCache(GmlxCache):
         route = self.kernel_route(self.quantized and affine_supported(queries, mask), "affine_decode")
         if route is not None:
             parts = [[b.data for b in bufs] for bufs in self.packed]
-            if route == "fused" and self._counter is None:
-                b, hq, _, d = queries.shape
-                self._counter = affine_counter(b, parts[0][0].shape[1], hq, d)
             return affine_attend(queries, scale, mask, parts, self.held, self.k_bits, self.group_size,
                                  self.rotate, emulate=route == "emulated", counter=self._counter)
         q = mx.hadamard_transform(queries) if self.rotate else queries

@@ -28,10 +28,10 @@ import mlx.core as mx
 from .. import window
 from ..kernels import (
     MAX_QUERY_TOKENS,
+    SplitCounter,
     kvarn_attend,
     kvarn_supported,
     kvarn_tokens,
-    merge_counter,
     seal_records,
     unpack_records,
 )
@@ -73,7 +73,7 @@ class KVarNCache(GmlxCache):
         self.sink_tokens = 0
         self.newest = 0  # tokens of the latest update: never sealed before the next one arrives
         self._prefix: KV | None = None  # the decoded sink + body for decode steps on a GPU (a graph)
-        self._counter: mx.array | None = None  # the fused decode kernel's merge counter (kernels.merge_counter)
+        self._counter = SplitCounter()  # the fused decode kernel's merge counter
 
     # -- geometry -------------------------------------------------------------------------
     @property
@@ -226,8 +226,6 @@ class KVarNCache(GmlxCache):
         """Attention over every region: the fused kernels on a GPU, else softmax over the fetched K/V."""
         parts = self.parts()
         route = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode")
-        if route == "fused" and self._counter is None:
-            self._counter = merge_counter(queries.shape[0], parts.sink.k.shape[1], queries.shape[1])
         if route is not None:
             return kvarn_attend(queries, scale, mask, parts, emulate=route == "emulated", counter=self._counter)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

@@ -16,13 +16,12 @@ from . import selfcheck  # noqa: E402  (after the modules it checks)
 from .build import active_backend, assemble
 from .decode import (
            MAX_QUERY_TOKENS,
+           SplitCounter,
            affine_attend,
-           affine_counter,
            affine_supported,
            kvarn_attend,
            kvarn_supported,
            kvarn_tokens,
-           merge_counter,
            merge_splits,
            unpack_records,
 )
@@ -30,6 +29,6 @@ from .seal import seal_records
 
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
-__all__ = ["KERNELS", "MAX_QUERY_TOKENS", "active_backend", "assemble", "affine_attend", "affine_counter",
-           "affine_supported", "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_counter", "merge_splits",
+__all__ = ["KERNELS", "MAX_QUERY_TOKENS", "SplitCounter", "active_backend", "assemble", "affine_attend",
+           "affine_supported", "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_splits",
            "seal_records", "selfcheck", "unpack_records"]

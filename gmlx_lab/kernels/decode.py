@@ -161,11 +161,24 @@ def kernel_merges() -> bool:
     return kernel_backend() == "cuda"
 
 
-def merge_counter(batch: int, kv_heads: int, q_heads: int) -> mx.array:
-    """The zeros a merging kvarn_decode counts its finished splits in, one per (kv head, query chunk) for up to
-    MAX_QUERY_TOKENS query tokens; the kernel leaves them zeros. One per cache: two launches that could run at
-    once (two caches in one graph) must not share one."""
-    return mx.zeros((batch * kv_heads * -(-(q_heads // kv_heads) * MAX_QUERY_TOKENS // KVARN_QN),), mx.uint32)
+class SplitCounter:
+    """The zeros a merging decode kernel counts its finished splits in, one per (kv head, query chunk), kept by a
+    cache. Each launch takes the counter and hands the next one a fresh copy (its `counter_out`), so launches
+    that share it are ordered in MLX's graph and never count in one buffer at once (two independent calls
+    would otherwise run side by side and mix their tickets)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[int, mx.array] = {}  # by size: the query-token count moves the number of chunks
+
+    def take(self, size: int) -> mx.array:
+        """The counter of `size` entries for the next launch."""
+        if size not in self.arrays:
+            self.arrays[size] = mx.zeros((size,), mx.uint32)
+        return self.arrays[size]
+
+    def put(self, counter: mx.array) -> None:
+        """The counter the launch just built hands on."""
+        self.arrays[counter.size] = counter
 
 
 def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal: bool,
@@ -195,19 +208,21 @@ def kvarn_params(plan: KvarnPlan, recent_tokens: int, cap: int, scale: float) ->
 
 
 def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], params: mx.array,
-                       fparams: mx.array, counter: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """One kvarn_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg, and
-    with plan.merge their merge (BH, NQ, D) in qg's dtype (else a placeholder); `counter`: merge_counter's."""
+                       fparams: mx.array, counter: mx.array) -> tuple[mx.array, ...]:
+    """One kvarn_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg; with
+    plan.merge their merge (BH, NQ, D) in qg's dtype and the counter for the next launch (else placeholders).
+    `counter`: BH * NCHUNK zeros (SplitCounter)."""
     bh, nq, d = qg.shape
     names = ("kc", "ks", "kz", "ko", "vc", "vs", "vz", "vo", "sk", "sv", "rk", "rv")
     nsplit = plan.nsr + plan.nsf
-    if plan.merge and counter.size < bh * plan.nchunk:
+    if plan.merge and counter.size != bh * plan.nchunk:
         raise ValueError(f"kvarn_decode: a counter of {counter.size} for {bh * plan.nchunk} (kv head, query chunk)s")
     return tuple(launch(
         "kvarn_decode",
         {"q": qg, **dict(zip(names, arrays)), "params": params, "fparams": fparams, "counter": counter},
         {"part_o": ((bh, nsplit, nq, d), mx.float32), "part_lse": ((bh, nsplit, nq), mx.float32),
-         "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype)},
+         "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype),
+         "counter_out": ((counter.size,) if plan.merge else (1,), mx.uint32)},
         grid=(32 * plan.warps, nsplit, bh * plan.nchunk), threadgroup=(32 * plan.warps, 1, 1),
         template={"KB": plan.kbits, "VB": plan.vbits, "S": plan.slices, "NQ": nq, "NCHUNK": plan.nchunk,
                   "L": plan.length, "WARPS": plan.warps, "MERGE": int(plan.merge), "QDT": DTYPE_IDS[qg.dtype]},
@@ -227,8 +242,8 @@ def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, c
     if emulate:
         return (*_kvarn_emulated(qg * scale, parts, length, causal, plan.per * plan.warps), plan.nsr)
     arrays, cap = kvarn_inputs(parts)
-    part_o, part_lse, _ = kvarn_split_kernel(plan, qg, arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale),
-                                             mx.zeros((bh * plan.nchunk,), mx.uint32))
+    part_o, part_lse, *_ = kvarn_split_kernel(plan, qg, arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale),
+                                              mx.zeros((bh * plan.nchunk,), mx.uint32))
     return part_o, part_lse, plan.nsr
 
 
@@ -301,11 +316,11 @@ def _kvarn_emulated(qg: mx.array, parts: KvarnParts, length: int, causal: bool, 
 
 
 def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, emulate: bool = False,
-                 counter: mx.array | None = None) -> mx.array:
+                 counter: SplitCounter | None = None) -> mx.array:
     """Decode attention over a kvarn layer: one split-K kernel over records (rotated queries), sink and recent
     tokens, whose last threadgroup per kv head merges the splits and rotates the records' share of the output
-    back (CUDA; on Metal a second launch, split_merge, does that). `counter`: the cache's merge_counter (a
-    fresh one is made each call without it).
+    back (CUDA; on Metal a second launch, split_merge, does that). `counter`: the cache's SplitCounter (a
+    fresh one each call without it).
 
     On a GPU the launches are one compiled graph per launch geometry (`build.run_graph`): a decode step
     replays it instead of building the kernel calls again in Python."""
@@ -319,20 +334,25 @@ def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, 
         return ungroup(out, b, hq, length)
     plan = kvarn_plan((hq // hkv) * length, d, b * hkv, parts, length, causal)
     arrays, cap = kvarn_inputs(parts)
-    counter = merge_counter(b, hkv, hq) if counter is None else counter
-    return run_graph(_kvarn_graph, (plan, hkv), queries, *arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale),
-                     counter)
+    counter = counter or SplitCounter()
+    out, after = run_graph(_kvarn_graph, (plan, hkv), queries, *arrays,
+                           *kvarn_params(plan, parts.recent_tokens, cap, scale), counter.take(b * hkv * plan.nchunk))
+    counter.put(after)
+    return out
 
 
-def _kvarn_graph(key: tuple[KvarnPlan, int], queries: mx.array, *arrays: mx.array) -> mx.array:
-    """kvarn decode attention as a graph of arrays: the split kernel (merging its splits, or then split_merge)."""
+def _kvarn_graph(key: tuple[KvarnPlan, int], queries: mx.array, *arrays: mx.array) -> tuple[mx.array, mx.array]:
+    """kvarn decode attention as a graph of arrays: the split kernel (merging its splits, or then split_merge);
+    returns the output and the counter for the next launch."""
     plan, hkv = key
     b, hq, length, _ = queries.shape
     *inputs, params, fparams, counter = arrays
-    part_o, part_lse, out = kvarn_split_kernel(plan, group_queries(queries, hkv), inputs, params, fparams, counter)
+    part_o, part_lse, out, after = kvarn_split_kernel(plan, group_queries(queries, hkv), inputs, params, fparams,
+                                                      counter)
     if not plan.merge:
         out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, rotated_splits=plan.nsr)
-    return ungroup(out, b, hq, length)
+        after = counter
+    return ungroup(out, b, hq, length), after
 
 
 def kvarn_supported(parts: KvarnParts, queries: mx.array, mask: Any) -> bool:
@@ -413,26 +433,21 @@ def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tupl
     return int_params(tokens, cap, plan.per, int(plan.causal)), float_params(scale)
 
 
-def affine_counter(batch: int, kv_heads: int, q_heads: int, head_dim: int) -> mx.array:
-    """The zeros a merging affine_decode counts its finished splits in (see merge_counter), for up to
-    MAX_QUERY_TOKENS query tokens."""
-    _, nchunk = _chunks((q_heads // kv_heads) * MAX_QUERY_TOKENS, affine_qb_max(head_dim))
-    return mx.zeros((batch * kv_heads * nchunk,), mx.uint32)
-
-
 def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], vparts: list[mx.array],
-                        params: mx.array, fparams: mx.array, counter: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg, and with
-    plan.merge their merge (BH, NQ, D) in qg's dtype, rotated back if plan.rotate (else a placeholder)."""
+                        params: mx.array, fparams: mx.array, counter: mx.array) -> tuple[mx.array, ...]:
+    """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg; with
+    plan.merge their merge (BH, NQ, D) in qg's dtype, rotated back if plan.rotate, and the counter for the next
+    launch (else placeholders). `counter`: BH * NCHUNK zeros (SplitCounter)."""
     bh, nq, d = qg.shape
-    if plan.merge and counter.size < bh * plan.nchunk:
+    if plan.merge and counter.size != bh * plan.nchunk:
         raise ValueError(f"affine_decode: a counter of {counter.size} for {bh * plan.nchunk} (kv head, query chunk)s")
     inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
               "vbi": vparts[2], "params": params, "fparams": fparams, "counter": counter}
     return tuple(launch(
         "affine_decode", inputs,
         {"part_o": ((bh, plan.nsplit, nq, d), mx.float32), "part_lse": ((bh, plan.nsplit, nq), mx.float32),
-         "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype)},
+         "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype),
+         "counter_out": ((counter.size,) if plan.merge else (1,), mx.uint32)},
         grid=(128, plan.nsplit, bh * plan.nchunk), threadgroup=(128, 1, 1),
         template={"BITS": plan.bits, "GS": plan.group_size, "D": d, "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk,
                   "L": plan.length, "MERGE": int(plan.merge), "ROTATE": int(plan.rotate), "QDT": DTYPE_IDS[qg.dtype]},
@@ -448,9 +463,9 @@ def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: 
     if emulate:
         return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, bits, group_size, length,
                                 causal, plan.per)
-    part_o, part_lse, _ = affine_split_kernel(plan, qg, kparts, vparts, *affine_params(plan, tokens, kparts[0].shape[2],
-                                                                                      scale),
-                                              mx.zeros((bh * plan.nchunk,), mx.uint32))
+    part_o, part_lse, *_ = affine_split_kernel(plan, qg, kparts, vparts,
+                                               *affine_params(plan, tokens, kparts[0].shape[2], scale),
+                                               mx.zeros((bh * plan.nchunk,), mx.uint32))
     return part_o, part_lse
 
 
@@ -503,11 +518,12 @@ def _unpack_affine(words: mx.array, bits: int, d: int) -> mx.array:
 
 
 def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[mx.array]], tokens: int, bits: int,
-                  group_size: int, rotate: bool, emulate: bool = False, counter: mx.array | None = None) -> mx.array:
+                  group_size: int, rotate: bool, emulate: bool = False, counter: SplitCounter | None = None
+                  ) -> mx.array:
     """Decode attention over affine codes: one split-K kernel whose last threadgroup per kv head merges the splits
     and, for a rotated cache, rotates the output back (CUDA; elsewhere a second launch, split_merge); no
     dequantized copy. parts: K and V buffers [codes, scales, biases] of (B, Hkv, CAP, ...) whose first `tokens`
-    rows hold tokens; `counter`: the cache's affine_counter (a fresh one each call without it). On a GPU the
+    rows hold tokens; `counter`: the cache's SplitCounter (a fresh one each call without it). On a GPU the
     whole is one compiled graph per launch geometry (`build.run_graph`), as for kvarn."""
     b, hq, length, d = queries.shape
     kparts, vparts = parts
@@ -521,22 +537,26 @@ def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[m
         return ungroup(out, b, hq, length)
     plan = affine_plan((hq // hkv) * length, d, b * hkv, tokens, bits, group_size, length, causal, rotate=rotate)
     params = affine_params(plan, tokens, kparts[0].shape[2], scale)
-    counter = affine_counter(b, hkv, hq, d) if counter is None else counter
-    return run_graph(_affine_graph, (plan, hkv), queries, *kparts, *vparts, *params, counter)
+    counter = counter or SplitCounter()
+    out, after = run_graph(_affine_graph, (plan, hkv), queries, *kparts, *vparts, *params,
+                           counter.take(b * hkv * plan.nchunk))
+    counter.put(after)
+    return out
 
 
-def _affine_graph(key: tuple[AffinePlan, int], queries: mx.array, *arrays: mx.array) -> mx.array:
+def _affine_graph(key: tuple[AffinePlan, int], queries: mx.array, *arrays: mx.array) -> tuple[mx.array, mx.array]:
     """affine decode attention as a graph of arrays: rotate the queries (affine_rot), split kernel (merging its
-    splits, or then split_merge)."""
+    splits, or then split_merge); returns the output and the counter for the next launch."""
     plan, hkv = key
     b, hq, length, _ = queries.shape
     kw, ksc, kbi, vw, vsc, vbi, params, fparams, counter = arrays
     q = mx.hadamard_transform(queries) if plan.rotate else queries
-    part_o, part_lse, out = affine_split_kernel(plan, group_queries(q, hkv), [kw, ksc, kbi], [vw, vsc, vbi], params,
-                                                fparams, counter)
+    part_o, part_lse, out, after = affine_split_kernel(plan, group_queries(q, hkv), [kw, ksc, kbi], [vw, vsc, vbi],
+                                                       params, fparams, counter)
     if not plan.merge:
         out, _ = merge_splits(part_o, part_lse, rotate=plan.rotate, dtype=queries.dtype)
-    return ungroup(out, b, hq, length)
+        after = counter
+    return ungroup(out, b, hq, length), after
 
 
 def affine_supported(queries: mx.array, mask: Any) -> bool:
