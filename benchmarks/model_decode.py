@@ -26,7 +26,8 @@ adds rows (scheme name + "_unchecked") with the caches' finiteness check of arri
 cost is measured side by side. `--probes kvarn6/lean-fetch,kvarn6/all,...` (GPU only) adds what-if rows: each
 probe removes one piece of a fused decode step's host work (PROBES), so its row bounds what removing that piece
 for real would gain; a probe's attention output is wrong, only its timing is read (except `uncompiled`, which
-measures the decode attention built in Python every step, as before it was compiled: its output is right).
+measures the decode attention built in Python every step, as before it was compiled, and `two-launch`, the split
+merge as a second launch, as before the kernels merged their own splits: their outputs are right).
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -176,7 +177,18 @@ def fixed_params() -> Any:
         fused.int_params = make
 
 
-PROBES = {"lean-fetch": lean_fetch, "fixed-params": fixed_params, "uncompiled": uncompiled}
+@contextlib.contextmanager
+def two_launch() -> Any:
+    """Probe: the split merge is a second launch (split_merge), as before the decode kernels merged their own
+    splits on CUDA: what the one-launch step saves. Its output is right."""
+    fused.merge_in_kernel = False  # the plan, and so the compiled graph's key, carries the choice
+    try:
+        yield
+    finally:
+        fused.merge_in_kernel = True
+
+
+PROBES = {"lean-fetch": lean_fetch, "fixed-params": fixed_params, "uncompiled": uncompiled, "two-launch": two_launch}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:

@@ -272,6 +272,21 @@ def test_merging_kernels_hand_their_counter_on(scheme: str) -> None:
 
 
 @gpu
+def test_merge_in_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode.merge_in_kernel = False (GMLX_MERGE_IN_KERNEL=0, the model_decode probe `two-launch`) takes the
+    split_merge launch on every backend; both routes give the reference's attention."""
+    c = _kvarn_cache(128, 2, 6, 6, 128 + 4 * 128 + 60, 128, seed=5)
+    q = mx.random.normal((1, 8, 1, 128))
+    outs = []
+    for merge in (True, False):
+        monkeypatch.setattr(decode, "merge_in_kernel", merge)
+        assert decode.kernel_merges() == (merge and build.kernel_backend() == "cuda")
+        out, ref = _attend_both(c, q, None, "fused")
+        assert _rel(out, ref) < 5e-3
+        outs.append(out)
+    assert _rel(outs[0], outs[1]) < 1e-5  # the same partials, merged in float32 either way
+
+@gpu
 @pytest.mark.parametrize("case", KVARN_CASES[:3])
 def test_kvarn_kernel_equals_emulation(case: tuple[int, ...]) -> None:
     d, hq, hkv, lq, kb, vb, tokens, tail = case

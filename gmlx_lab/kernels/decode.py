@@ -8,6 +8,7 @@ log-sum-exp merge), so the CPU can check the kernels' math against the reference
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -21,6 +22,8 @@ TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor 
 MAX_QUERY_TOKENS = 4
 NEG_INF = float("-inf")
 DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled variant per dtype
+MERGE_ENV = "GMLX_MERGE_IN_KERNEL"  # "0": the split merge is a second launch on CUDA too (split_merge)
+merge_in_kernel = os.environ.get(MERGE_ENV, "1") != "0"
 
 
 def group_queries(q: mx.array, hkv: int) -> mx.array:
@@ -157,8 +160,9 @@ class KvarnPlan(NamedTuple):
 def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): with
     the CUDA source, whose fences make one threadgroup's writes visible to the others; Metal's do not, so there
-    split_merge does it."""
-    return kernel_backend() == "cuda"
+    split_merge does it. `merge_in_kernel = False` (or GMLX_MERGE_IN_KERNEL=0) takes split_merge on CUDA too,
+    which benchmarks/model_decode.py measures side by side (probe `two-launch`)."""
+    return merge_in_kernel and kernel_backend() == "cuda"
 
 
 class SplitCounter:
