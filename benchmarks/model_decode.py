@@ -17,7 +17,9 @@ For each context, every scheme side by side, each with a fresh cache (all kept u
      decode_tokens_per_s = 1000 / mean ms;
   3. graph building: `--build-steps` more decode steps run one at a time, timing the Python call that builds
      the step's graph (`model(...)` plus the argmax) apart from its evaluation; `build_us_per_layer` spreads
-     it over the layers. Where the build time is close to the decode interval, the step is bound by the host.
+     it over the layers; `encode_us_per_step` times `mx.async_eval`, where MLX hands the step's kernels to the
+     GPU (on CUDA: adds them to CUDA graphs and launches those), the host's other share of a step. Where build +
+     encode is close to the decode interval, the step is bound by the host.
 Schemes: `mlx_lm_fp16` (mlx-lm's `KVCache`), `mlx_lm_affine8`/`mlx_lm_affine4` (mlx-lm's `QuantizedKVCache`,
 group 64; a failure, e.g. its CUDA prefill, is recorded in the row), and any gmlx_lab scheme spec (`fp16`,
 `affine8`, `kvarn6`, `kvarn4:tail=128`, ...; registry defaults otherwise). Ratios are to `mlx_lm_fp16` of the
@@ -228,19 +230,24 @@ def decode(model: nn.Module, cache: Any, first: int, n: int) -> tuple[list[float
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], out
 
 
-def build_times(model: nn.Module, cache: Any, first: int, n: int) -> tuple[list[float], list[float]]:
-    """n decode steps one at a time: (µs to build each step's graph, µs to evaluate it)."""
+def build_times(model: nn.Module, cache: Any, first: int, n: int) -> tuple[list[float], list[float], list[float]]:
+    """n decode steps one at a time: µs to build each step's graph in Python, µs to encode it (`mx.async_eval`
+    returns once MLX has handed every kernel to the GPU: the host's other share of a step), µs to evaluate it
+    (encode and wait for the GPU)."""
     y = mx.array([[first]], dtype=mx.uint32)
-    builds, evals = [], []
+    builds, encodes, evals = [], [], []
     for _ in range(n + 1):
         t0 = time.perf_counter()
         y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
         t1 = time.perf_counter()
-        mx.eval(y)
+        mx.async_eval(y)
         t2 = time.perf_counter()
+        mx.eval(y)
+        t3 = time.perf_counter()
         builds.append((t1 - t0) * 1e6)
-        evals.append((t2 - t1) * 1e6)
-    return builds[1:], evals[1:]
+        encodes.append((t2 - t1) * 1e6)
+        evals.append((t3 - t1) * 1e6)
+    return builds[1:], encodes[1:], evals[1:]
 
 
 def profile_decode(model: nn.Module, cache: Any, first: int, n: int, top: int = 25) -> list[dict[str, Any]]:
@@ -313,7 +320,7 @@ class Run:
         if self.failed:
             return self.row
         with self.probed():
-            builds, evals = build_times(model, self.cache, self.next, args.build_steps)
+            builds, encodes, evals = build_times(model, self.cache, self.next, args.build_steps)
             profile = profile_decode(model, self.cache, self.next, args.profile) if args.profile else None
         mean, median = statistics.mean(self.intervals), statistics.median(self.intervals)
         build = statistics.median(builds)
@@ -322,6 +329,7 @@ class Run:
             "decode_ms_mean": round(mean, 3), "decode_ms_min": round(min(self.intervals), 3),
             "decode_ms_max": round(max(self.intervals), 3), "timed_tokens": len(self.intervals),
             "build_us_per_step": round(build, 1), "build_us_per_layer": round(build / len(model.layers), 2),
+            "encode_us_per_step": round(statistics.median(encodes), 1),
             "eval_us_per_step": round(statistics.median(evals), 1), "generated": self.out[:8],
         })
         if getattr(self.cache, "policy", None) is not None:
@@ -360,8 +368,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| context | scheme | decode ms/token (median) | tokens/s | vs mlx-lm fp16 | prefill tokens/s | "
-          "vs mlx-lm fp16 | cache GiB | build µs/layer |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "vs mlx-lm fp16 | cache GiB | build µs/layer | encode µs/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['context']} | {r['scheme']} | {r['error'][:60]} |")
@@ -369,7 +377,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"| {r['context']} | {r['scheme']} | {r['decode_ms_median']:.2f} | {r['decode_tokens_per_s']:.1f} | "
               f"{r.get('decode_vs_mlx_lm_fp16', float('nan')):.2f}x | {r['prefill_tokens_per_s']:.0f} | "
               f"{r.get('prefill_vs_mlx_lm_fp16', float('nan')):.2f}x | {r['cache_bytes'] / 2**30:.3f} | "
-              f"{r['build_us_per_layer']:.1f} |")
+              f"{r['build_us_per_layer']:.1f} | {r['encode_us_per_step']:.0f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
