@@ -24,7 +24,6 @@ HERE = Path(__file__).parent
 BACKENDS = ("cuda", "metal")
 COMPILE_ENV = "GMLX_COMPILE_DECODE"  # "0": decode attention builds its kernel calls in Python every step
 compile_graphs = os.environ.get(COMPILE_ENV, "1") != "0"
-PREFETCH_ENV = "GMLX_PREFETCH"  # "0": the CUDA kernels ask L2 for nothing ahead (PREFETCH_L2), to measure its gain
 
 # Index bindings placed at the top of every body: the body only says TID, GROUP_Y, ...
 INDICES = {
@@ -95,8 +94,6 @@ def assemble(name: str, backend: str) -> tuple[str, str]:
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not supported; accepted: {', '.join(BACKENDS)}")
     header = read(f"prelude_{backend}.h") + "\n" + read("common.h")
-    if backend == "cuda" and os.environ.get(PREFETCH_ENV, "1") == "0":
-        header = "#define GMLX_NO_PREFETCH 1\n" + header
     if (HERE / f"{name}.h").exists():  # the kernel's own helper functions
         header += "\n" + read(f"{name}.h")
     return header, INDICES[backend] + read(f"{name}.body")

@@ -47,19 +47,3 @@ FN void hadamard_rows(SHARED_PTR float* x, u32 rows, u32 d, u32 tid, u32 threads
     }
   }
 }
-
-// Ask L2 for the `bytes` of device memory from p on, ahead of their loads, the 128-byte lines shared by `threads`
-// threads (this one: tid); nothing waits for them. A loop whose every step loads and then computes would wait
-// one memory round trip per step; asked for together, the lines arrive in about one. CUDA only (PREFETCH_L2).
-FN void prefetch_l2(GLOBAL_CONST void* p, u32 bytes, u32 tid, u32 threads) {
-  for (u32 off = tid * 128u; off < bytes; off += threads * 128u) PREFETCH_L2((GLOBAL_CONST char*)p + off);
-}
-
-// prefetch_l2 of `n` token rows from row `first` of a packed row buffer (`words` words a row) and of their
-// scales and biases (`groups` a row), shared by a threadgroup of 128 threads (affine_decode).
-FN void prefetch_rows(GLOBAL_CONST uint32_t* codes, GLOBAL_CONST HALF* scales, GLOBAL_CONST HALF* biases, u32 first,
-                      int n, int words, int groups, u32 tid) {
-  prefetch_l2(codes + first * u32(words), u32(n * words) * 4u, tid, 128u);
-  prefetch_l2(scales + first * u32(groups), u32(n * groups) * 2u, tid, 128u);
-  prefetch_l2(biases + first * u32(groups), u32(n * groups) * 2u, tid, 128u);
-}

@@ -59,25 +59,3 @@ FN u32 high_halves(u32 x, u32 y) { return (x >> 16) | (y & 0xffff0000u); }
 // The two float values of a float16 pair.
 FN float pair_lo(u32 x) { return half_bits_to_float(x & 0xffffu); }
 FN float pair_hi(u32 x) { return half_bits_to_float(x >> 16); }
-
-// Ask L2 for one half of unit u (see kvarn_decode.body) before the warp's 32 lanes load it (prefetch_l2, CUDA
-// only): of a record of kv head bh, its codes `c` (S slices of `words` words) and axis vectors x, y, z; of the
-// sink (u = R), its NS rows in `sink`; of a recent tile (u > R), its rows in `recent` (RCAP rows a head).
-template <int S>
-FN void prefetch_half(int u, int R, int NS, int NR, int RCAP, u32 bh, u32 words, u32 lane, GLOBAL_CONST uint32_t* c,
-                      GLOBAL_CONST HALF* x, GLOBAL_CONST HALF* y, GLOBAL_CONST HALF* z, GLOBAL_CONST HALF* sink,
-                      GLOBAL_CONST HALF* recent) {
-  constexpr u32 D = S * 128;
-  if (u < R) {
-    const u32 rec = (bh * u32(R) + u32(u)) * u32(S);
-    prefetch_l2(c + rec * words, u32(S) * words * 4u, lane, 32u);
-    prefetch_l2(x + rec * 128u, u32(S) * 256u, lane, 32u);
-    prefetch_l2(y + rec * 128u, u32(S) * 256u, lane, 32u);
-    prefetch_l2(z + rec * 128u, u32(S) * 256u, lane, 32u);
-  } else if (u == R) {
-    prefetch_l2(sink + bh * u32(NS) * D, u32(NS) * D * 2u, lane, 32u);
-  } else {
-    const int start = (u - R - 1) * 128;
-    prefetch_l2(recent + (bh * u32(RCAP) + u32(start)) * D, u32(min(128, NR - start)) * D * 2u, lane, 32u);
-  }
-}

@@ -24,7 +24,6 @@
 #define SHARED_PTR
 #define WARP_BARRIER() gmlx_warp_barrier()
 #define DEVICE_FENCE() ((void)0)                 // threadgroups run one after another here
-#define PREFETCH_L2(p) ((void)(p))               // no cache to warm here
 typedef unsigned int u32;
 typedef unsigned long long u64;
 

@@ -39,14 +39,6 @@ FN float simd_shuffle_xor_f(float x, u32 mask) { return __shfl_xor_sync(0xffffff
 FN u32 atomic_ticket(const u32* p) { return atomicAdd(const_cast<u32*>(p), 1u); }
 FN void atomic_reset(const u32* p) { atomicExch(const_cast<u32*>(p), 0u); }
 
-// Ask L2 for the 128-byte line holding device address p, without waiting for it (common.h's prefetch_l2);
-// GMLX_NO_PREFETCH (build.py, GMLX_PREFETCH=0) leaves it out, so its gain can be measured.
-#ifdef GMLX_NO_PREFETCH
-#define PREFETCH_L2(p) ((void)(p))
-#else
-#define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
-#endif
-
 // float16 pairs held in a u32 (the smaller index in the low half), and one float16 from its bits.
 FN u32 pack_half2(float lo, float hi) { const __half2 h = __floats2half2_rn(lo, hi); return *reinterpret_cast<const u32*>(&h); }
 FN float half_bits_to_float(u32 bits) { return __half2float(__ushort_as_half((unsigned short)bits)); }

@@ -40,9 +40,6 @@ FN u32 atomic_ticket(const device u32* p) {
 }
 FN void atomic_reset(const device u32* p) { atomic_store_explicit((device atomic_uint*)p, 0u, memory_order_relaxed); }
 
-// Metal has no L2 prefetch instruction: common.h's prefetch_l2 does nothing here.
-#define PREFETCH_L2(p) ((void)(p))
-
 // float16 pairs held in a u32 (the smaller index in the low half), and one float16 from its bits.
 FN u32 pack_half2(float lo, float hi) { return as_type<uint>(half2(lo, hi)); }
 FN float half_bits_to_float(u32 bits) { return float(as_type<half>(ushort(bits))); }
