@@ -28,8 +28,8 @@ adds rows (scheme name + "_unchecked") with the caches' finiteness check of arri
 cost is measured side by side. `--probes kvarn6/lean-fetch,kvarn6/all,...` (GPU only) adds what-if rows: each
 probe removes one piece of a fused decode step's host work (PROBES), so its row bounds what removing that piece
 for real would gain; a probe's attention output is wrong, only its timing is read (except `uncompiled`, which
-measures the decode attention built in Python every step, as before it was compiled, and `two-launch`, the split
-merge as a second launch, as before the kernels merged their own splits: their outputs are right).
+measures the decode attention built in Python every step, as before it was compiled, and `one-launch`, the split
+kernels merging their own splits on CUDA, GMLX_MERGE_IN_KERNEL=1: their outputs are right).
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -160,37 +160,17 @@ def uncompiled() -> Any:
 
 
 @contextlib.contextmanager
-def fixed_params() -> Any:
-    """Probe: the kernels' small parameter array is not made anew when only the token count changed (each step
-    now uploads a new one): what that costs. The stale count is never above the true one, so reads stay valid."""
-    make = fused.int_params
-    kept: dict[tuple[int, ...], mx.array] = {}
-
-    def stale(*values: int) -> mx.array:
-        # the count that moves every step: kvarn_decode's recent tokens (4th of 8), affine_decode's tokens (1st of 4)
-        key = values[:3] + values[4:] if len(values) == 8 else values[1:] if len(values) == 4 else values
-        if key not in kept:
-            kept[key] = make(*values)
-        return kept[key]
-    fused.int_params = stale
+def one_launch() -> Any:
+    """Probe: the split kernels merge their own splits on CUDA (the last threadgroup of each kv head, one launch a
+    layer) instead of a second launch, split_merge: what that saves or costs. Its output is right."""
+    before, fused.merge_in_kernel = fused.merge_in_kernel, True  # the plan (the compiled graph's key) carries it
     try:
         yield
     finally:
-        fused.int_params = make
+        fused.merge_in_kernel = before
 
 
-@contextlib.contextmanager
-def two_launch() -> Any:
-    """Probe: the split merge is a second launch (split_merge), as before the decode kernels merged their own
-    splits on CUDA: what the one-launch step saves. Its output is right."""
-    fused.merge_in_kernel = False  # the plan, and so the compiled graph's key, carries the choice
-    try:
-        yield
-    finally:
-        fused.merge_in_kernel = True
-
-
-PROBES = {"lean-fetch": lean_fetch, "fixed-params": fixed_params, "uncompiled": uncompiled, "two-launch": two_launch}
+PROBES = {"lean-fetch": lean_fetch, "uncompiled": uncompiled, "one-launch": one_launch}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:

@@ -100,6 +100,17 @@ def test_kvarn_decode_uses_the_tensor_core_fragments() -> None:
     assert body.count("mma16816(") == 4  # scores and values, from codes and from fp16 tokens
 
 
+def test_step_params_are_rows_of_one_table() -> None:
+    """A decode step's parameters (the token count moving by one a step) are rows of a table made once per
+    PARAM_ROWS counts, equal to the array int_params would make, across a table's edge too."""
+    from gmlx_lab.kernels.decode import PARAM_ROWS, int_params, step_params
+
+    for count in (0, 1, PARAM_ROWS - 1, PARAM_ROWS, 3 * PARAM_ROWS + 7):
+        values = (9, 2, 128, count, 1, 5, 3, 1024)
+        assert step_params(values, 3).tolist() == int_params(*values).tolist()
+        assert step_params(values[3:7], 0).tolist() == int_params(*values[3:7]).tolist()
+
+
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="accepted: cuda, metal"):
         assemble("kvarn_decode", "vulkan")
@@ -244,11 +255,12 @@ def test_kvarn_fused_matches_reference(case: tuple[int, ...]) -> None:
 
 @gpu
 @pytest.mark.parametrize("scheme", ["kvarn", "affine_rot"])
-def test_merging_kernels_hand_their_counter_on(scheme: str) -> None:
-    """With CUDA's source the decode kernels merge their own splits, counting them in a counter each launch
-    hands to the next (decode.SplitCounter): ten decode steps through one cache, each against the reference,
-    then eight calls built before any is evaluated (on a GPU, calls that shared one counter could run side by
-    side and mix their tickets)."""
+def test_merging_kernels_hand_their_counter_on(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA's source and merge_in_kernel the decode kernels merge their own splits, counting them in a counter
+    each launch hands to the next (decode.SplitCounter): ten decode steps through one cache, each against the
+    reference, then eight calls built before any is evaluated (on a GPU, calls that shared one counter could run
+    side by side and mix their tickets)."""
+    monkeypatch.setattr(decode, "merge_in_kernel", True)
     kvarn = scheme == "kvarn"
     c = _kvarn_cache(128, 2, 6, 6, 128 + 4 * 128 + 60, 128, seed=3) if kvarn else \
         _affine_cache(4, 64, 128, 128 * 9 + 61, seed=3, rotate=True)
@@ -272,9 +284,10 @@ def test_merging_kernels_hand_their_counter_on(scheme: str) -> None:
 
 
 @gpu
-def test_merge_in_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode.merge_in_kernel = False (GMLX_MERGE_IN_KERNEL=0, the model_decode probe `two-launch`) takes the
-    split_merge launch on every backend; both routes give the reference's attention."""
+def test_merge_in_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode.merge_in_kernel (off by default; GMLX_MERGE_IN_KERNEL=1, the model_decode probe `one-launch`) merges
+    the splits inside the CUDA kernel, else split_merge does on every backend; both give the reference's attention."""
+    assert decode.merge_in_kernel is (os.environ.get(decode.MERGE_ENV, "0") == "1")
     c = _kvarn_cache(128, 2, 6, 6, 128 + 4 * 128 + 60, 128, seed=5)
     q = mx.random.normal((1, 8, 1, 128))
     outs = []

@@ -62,9 +62,16 @@ METAL_ATTRIBUTES = {
 
 
 def active_backend() -> str:
-    """'cuda' or 'metal' when MLX runs on that GPU backend, else 'cpu'."""
+    """'cuda' or 'metal' when MLX runs on that GPU backend, else 'cpu'. A decode step asks this often, so only the
+    default device is read each time (it can change: `mx.set_default_device`); the GPU's backend once."""
     if mx.default_device().type != mx.DeviceType.gpu:
         return "cpu"
+    return gpu_backend()
+
+
+@cache
+def gpu_backend() -> str:
+    """The backend of MLX's GPU device: 'cuda', 'metal', or 'cpu' where this MLX has neither."""
     if mx.cuda.is_available():
         return "cuda"
     if mx.metal.is_available():

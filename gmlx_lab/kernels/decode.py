@@ -22,8 +22,9 @@ TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor 
 MAX_QUERY_TOKENS = 4
 NEG_INF = float("-inf")
 DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled variant per dtype
-MERGE_ENV = "GMLX_MERGE_IN_KERNEL"  # "0": the split merge is a second launch on CUDA too (split_merge)
-merge_in_kernel = os.environ.get(MERGE_ENV, "1") != "0"
+MERGE_ENV = "GMLX_MERGE_IN_KERNEL"  # "1": on CUDA the split kernels merge their own splits (one launch a layer)
+merge_in_kernel = os.environ.get(MERGE_ENV, "0") == "1"
+PARAM_ROWS = 256  # parameter rows made at once for a count that moves every step (step_params)
 
 
 def group_queries(q: mx.array, hkv: int) -> mx.array:
@@ -42,6 +43,23 @@ def int_params(*values: int) -> mx.array:
     """A small int32 parameter array, kept so decode steps do not build and upload a new one each call. It has
     at least 8 entries (zeros after the values), so that build.launch need not pad it for Metal each call."""
     return mx.array(values + (0,) * (8 - len(values)), mx.int32)
+
+
+@lru_cache(maxsize=64)
+def _param_rows(values: tuple[int, ...], moving: int, base: int) -> mx.array:
+    """PARAM_ROWS parameter rows of 8 entries: `values` (zeros after them), entry `moving` counting base, base + 1..."""
+    pad = (0,) * (8 - len(values))
+    return mx.array([values[:moving] + (base + i,) + values[moving + 1:] + pad for i in range(PARAM_ROWS)], mx.int32)
+
+
+@lru_cache(maxsize=4096)
+def step_params(values: tuple[int, ...], moving: int) -> mx.array:
+    """`int_params(*values)` for a decode step, where entry `moving` (the token count) grows by one every step: a row
+    of a table made once per PARAM_ROWS counts. A row is a view, so a step uploads nothing; a new small array
+    every step cost about 0.7 ms of a kvarn6 step on the H200 (cProfile of model_decode at 32K, commit 05544c7)."""
+    base = values[moving] // PARAM_ROWS * PARAM_ROWS
+    fixed = values[:moving] + (0,) + values[moving + 1:]
+    return _param_rows(fixed, moving, base)[values[moving] - base]
 
 
 @lru_cache(maxsize=64)
@@ -158,10 +176,11 @@ class KvarnPlan(NamedTuple):
 
 
 def kernel_merges() -> bool:
-    """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): with
-    the CUDA source, whose fences make one threadgroup's writes visible to the others; Metal's do not, so there
-    split_merge does it. `merge_in_kernel = False` (or GMLX_MERGE_IN_KERNEL=0) takes split_merge on CUDA too,
-    which benchmarks/model_decode.py measures side by side (probe `two-launch`)."""
+    """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
+    with `merge_in_kernel = True` (GMLX_MERGE_IN_KERNEL=1) and the CUDA source, whose fences make one
+    threadgroup's writes visible to the others (Metal's do not). Off by default: on the H200 the last
+    threadgroup's serial merge made kvarn6's kernel 94 µs a layer at 32K against 54 + 7 for the two launches
+    (benchmarks/results/gpu_timeline-h200.json); model_decode.py's probe `one-launch` measures it side by side."""
     return merge_in_kernel and kernel_backend() == "cuda"
 
 
@@ -207,8 +226,8 @@ def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
 
 def kvarn_params(plan: KvarnPlan, recent_tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
     """kvarn_decode's int and float parameter arrays (the recent-token count moves every step)."""
-    return (int_params(plan.records, plan.per, plan.sink, recent_tokens, int(plan.causal), plan.nsr + plan.nsf,
-                       plan.nsr, cap), float_params(scale))
+    values = (plan.records, plan.per, plan.sink, recent_tokens, int(plan.causal), plan.nsr + plan.nsf, plan.nsr, cap)
+    return step_params(values, 3), float_params(scale)
 
 
 def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], params: mx.array,
@@ -434,7 +453,7 @@ def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: in
 
 def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
     """affine_decode's int and float parameter arrays (the token count moves every step)."""
-    return int_params(tokens, cap, plan.per, int(plan.causal)), float_params(scale)
+    return step_params((tokens, cap, plan.per, int(plan.causal)), 0), float_params(scale)
 
 
 def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], vparts: list[mx.array],
