@@ -2,8 +2,8 @@
 
 - `kvarn_decode`: decode attention straight from kvarn records on the tensor cores (split-K, online softmax);
 - `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
-- `split_merge`: merges the splits by log-sum-exp and rotates the records' share of the output back (kvarn_decode
-  does that itself on CUDA, in its last threadgroup per kv head);
+- `split_merge`: merges the splits by log-sum-exp and rotates the records' share of the output back (on CUDA the
+  split kernels can do that themselves, in their last threadgroup per kv head: GMLX_MERGE_IN_KERNEL=1);
 - `kvarn_seal`: variance normalization, rounding and packing of records;
 - `kvarn_unpack`: records back to tokens; with the sink and recent tokens around them and rotated back, a
   layer's whole K or V in one pass (prefill attention, and K/V for models that read them).

@@ -19,6 +19,10 @@ from .build import kernel_backend, launch, run_graph
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
+# affine_decode splits hold at least this many 128-token tiles: a threadgroup's fixed work (queries in, partials
+# out, merged later) costs more than tiles do; on the H200 at 32K affine4 took 73 µs a call with one tile a split,
+# 56 with 16 to 32, and at 128K 196 with 4, 184 with 16 (two launches, benchmarks/results/split_sweep-h200.json)
+AFFINE_MIN_TILES = 16
 MAX_QUERY_TOKENS = 4
 NEG_INF = float("-inf")
 DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled variant per dtype
@@ -179,7 +183,7 @@ def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
     with `merge_in_kernel = True` (GMLX_MERGE_IN_KERNEL=1) and the CUDA source, whose fences make one
     threadgroup's writes visible to the others (Metal's do not). Off by default: on the H200 the last
-    threadgroup's serial merge made kvarn6's kernel 94 µs a layer at 32K against 54 + 7 for the two launches
+    threadgroup's serial merge made kvarn6's kernel 94 µs a layer at 32K against 54 + 4 for the two launches
     (benchmarks/results/gpu_timeline-h200.json); model_decode.py's probe `one-launch` measures it side by side."""
     return merge_in_kernel and kernel_backend() == "cuda"
 
@@ -209,11 +213,19 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     """How a kvarn_decode call over `parts` splits its work, for nq grouped query vectors of bh kv heads."""
     kbody, vbody = parts.body
     r, s = kbody.codes.shape[2:4]
+    fp16_units = kvarn_units(r, parts.recent_tokens)[1]
+    return _kvarn_plan(nq, bh, r, s, parts.sink.k.shape[2], fp16_units, length, causal, kbody.bits, vbody.bits,
+                       per_warp, kvarn_warps(d), kernel_merges())
+
+
+@lru_cache(maxsize=256)
+def _kvarn_plan(nq: int, bh: int, r: int, s: int, sink: int, fp16_units: int, length: int, causal: bool,
+                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool) -> KvarnPlan:
+    """kvarn_plan's arithmetic, once per geometry: the layers of a decode step repeat it, and it moves every 128
+    tokens."""
     nchunk = -(-nq // KVARN_QN)
-    warps = kvarn_warps(d)
-    per, nsr, nsf = kvarn_splits(r, parts.recent_tokens, bh * nchunk, warps, per_warp)
-    return KvarnPlan(r, s, parts.sink.k.shape[2], per, nsr, nsf, warps, nchunk, length, causal, kbody.bits,
-                     vbody.bits, kernel_merges())
+    per, nsr, nsf = kvarn_splits(r, (fp16_units - 1) * 128, bh * nchunk, warps, per_warp)
+    return KvarnPlan(r, s, sink, per, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge)
 
 
 def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
@@ -445,10 +457,22 @@ class AffinePlan(NamedTuple):
 
 def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: int, length: int, causal: bool,
                 per_split: int | None = None, rotate: bool = False) -> AffinePlan:
-    """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads."""
-    qb, nchunk = _chunks(nq, affine_qb_max(d))
-    per = 128 * (per_split or split_size(-(-tokens // 128), bh * nchunk))
-    return AffinePlan(per, -(-tokens // per), qb, nchunk, bits, group_size, length, causal, rotate, kernel_merges())
+    """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads:
+    splits of `per_split` tiles, else of at least AFFINE_MIN_TILES tiles, more where that still leaves
+    TARGET_GROUPS threadgroups."""
+    return _affine_plan(nq, bh, -(-tokens // 128), bits, group_size, length, causal, per_split, rotate,
+                        affine_qb_max(d), kernel_merges())
+
+
+@lru_cache(maxsize=256)
+def _affine_plan(nq: int, bh: int, tiles: int, bits: int, group_size: int, length: int, causal: bool,
+                 per_split: int | None, rotate: bool, qb_max: int, merge: bool) -> AffinePlan:
+    """affine_plan's arithmetic, once per geometry (the layers of a decode step repeat it; it moves every 128
+    tokens)."""
+    qb, nchunk = _chunks(nq, qb_max)
+    per_tiles = per_split or min(tiles, max(AFFINE_MIN_TILES, split_size(tiles, bh * nchunk)))
+    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, group_size, length, causal, rotate,
+                      merge)
 
 
 def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
