@@ -87,7 +87,10 @@ def lab(tmp_path: Path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}"],
+         f"--ServerApp.root_dir={root}",
+         # A fresh workspace each time: the default one (~/.jupyter/lab/workspaces) reopens the previous test's
+         # notebook in a hidden tab, whose saved plots then match this test's locators.
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -120,16 +123,18 @@ class _Browser:
             self.outside.append(route.request.url)
             route.abort()
 
-    def run_all(self, name: str) -> None:
-        """Open a notebook, wait for its kernel, and run every cell."""
+    def run_all(self, name: str):
+        """Open a notebook, wait for its kernel, run every cell, and return the locator of its panel."""
         from playwright.sync_api import expect
 
         page = self.page
         page.goto(f"{self.base}/lab/tree/{name}?token={self.token}")
-        expect(page.locator(".jp-NotebookPanel .jp-Cell").first).to_be_visible()
+        panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")  # the notebook's own tab, not another one
+        expect(panel.locator(".jp-Cell").first).to_be_visible()
         expect(page.locator("#jp-main-statusbar .jp-StatusBar-TextItem", has_text="| Idle").first).to_be_visible()
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        return panel
 
 
 @pytest.fixture()
@@ -153,11 +158,11 @@ def test_notebook06_streams_every_scheme_in_columns(browser) -> None:
     from playwright.sync_api import expect
 
     page = browser.page
-    browser.run_all(NOTEBOOK.name)
-    app = page.locator(".gmlx-compare").first
+    panel = browser.run_all(NOTEBOOK.name)
+    app = panel.locator(".gmlx-compare").first
     status = app.locator(".widget-html", has_text="done:").first
     expect(status).to_be_visible(timeout=300_000)  # the first generation runs when the app is built
-    expect(page.locator(".jp-InputPrompt", has_text="[*]")).to_have_count(0, timeout=300_000)
+    expect(panel.locator(".jp-InputPrompt", has_text="[*]")).to_have_count(0, timeout=300_000)
     columns = app.locator(".gmlx-column")
     n_columns = columns.count()
     assert n_columns >= 4  # fp16, affine, affine_rot, kvarn (and any other registered scheme)
@@ -186,11 +191,11 @@ def test_notebook03_records_render(browser) -> None:
     from playwright.sync_api import expect
 
     page = browser.page
-    browser.run_all(RECORDS.name)
-    plots = page.locator(".jp-Cell .js-plotly-plot")
+    panel = browser.run_all(RECORDS.name)
+    plots = panel.locator(".jp-Cell .js-plotly-plot")
     expect(plots.first).to_be_visible(timeout=300_000)
-    expect(page.locator(".jp-InputPrompt", has_text="[*]")).to_have_count(0, timeout=300_000)
-    cell = page.locator(".jp-Cell", has=page.locator(".js-plotly-plot")).first
+    expect(panel.locator(".jp-InputPrompt", has_text="[*]")).to_have_count(0, timeout=300_000)
+    cell = panel.locator(".jp-Cell", has=page.locator(".js-plotly-plot")).first
     cell.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     cell.screenshot(path=str(SCREENSHOT_03))
