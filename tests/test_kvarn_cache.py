@@ -105,8 +105,10 @@ def test_attention_over_cache_equals_attention_over_decoded_kv(dim, q_len):
         ref = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=mask)
     assert cache.n_records > 0
     # float32 on the CPU. On a GPU the fused kernel takes float16 tensor-core operands (q * k_scale,
-    # p * v_scale): on CPU threads its CUDA source is 4.3e-3 of the largest output off at head_dim 512
-    tol = 1e-4 if mx.default_device() == mx.cpu else 6e-3
+    # p * v_scale), and the hardware rounds more than its CUDA source on CPU threads does (2.1e-3 of the largest
+    # output there at head_dim 512, 4 queries): on the H200 up to 5.3e-3 at head dims 128/256 over three seeds
+    # and 6.3e-3 here at 512 (benchmarks/results/gpu-tests-h200/README.md); a wrong kernel is off by 0.1 or more
+    tol = 1e-4 if mx.default_device() == mx.cpu else 1.2e-2
     assert float(mx.abs(emulated - ref).max()) < tol * max(1.0, float(mx.abs(ref).max()))
     assert float(mx.abs(ours - ref).max()) < tol * max(1.0, float(mx.abs(ref).max()))
 
