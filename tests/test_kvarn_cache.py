@@ -130,6 +130,26 @@ def test_nbytes_is_exact_and_records_are_2048b_plus_768():
     assert 0 <= regions["reserve"] < 256 * 2 * 256 * 2 * 2  # growth steps of 256 tokens, K and V
 
 
+def test_the_cache_holds_only_the_bytes_it_reports():
+    """Memory in use after a prompt is what `nbytes` counts: no view keeps the prompt's own K/V alive (a sink that
+    sliced a 2048-token update held 16x its bytes, and cost a copy before every kernel that read it)."""
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    cache = KVarNCache(4, 4, kv_tail_tokens=128)
+    k, v = random_kv(2048, heads=4, dim=128)
+    mx.eval(cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16)))
+    cache.seal()
+    mx.eval(*[a for x in cache.state for a in (x if isinstance(x, tuple) else (x,)) if isinstance(a, mx.array)])
+    del k, v
+    gc.collect()
+    held = mx.get_active_memory() - before
+    prompt_kv = 2 * 4 * 2048 * 128 * 2  # what the update's K and V took in float16
+    assert held <= cache.nbytes + prompt_kv // 8, f"held {held} bytes, nbytes {cache.nbytes}"
+
+
 def test_record_accessor_and_split_widths():
     k, v = random_kv(400)
     cache = KVarNCache(6, 3, kv_tail_tokens=0)

@@ -44,7 +44,7 @@ import numpy as np
 from ..records import KV
 from ..registry import Scheme
 from .base import GmlxCache, array_bytes
-from .fp16 import STORE_DTYPE, GrowingBuffer
+from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
 
 __all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
 
@@ -159,11 +159,8 @@ class BlockCache(GmlxCache):
         dtype, n = keys.dtype, keys.shape[2]
         room = self.sink_tokens - self.sink_count
         if room > 0:  # the first sink_tokens tokens fill the sink
-            head = KV(keys[:, :, :room].astype(STORE_DTYPE), values[:, :, :room].astype(STORE_DTYPE))
-            self.sink = head if self.sink is None else KV(*(mx.concatenate([a, b], axis=2)
-                                                            for a, b in zip(self.sink, head)))
-            self.sink_count += head.k.shape[2]
-            keys, values = keys[:, :, room:], values[:, :, room:]
+            self.sink, keys, values = fill_sink(self.sink, keys, values, room)
+            self.sink_count = self.sink.k.shape[2]
         if keys.shape[2]:
             self.recent.k.write(self.recent_count, keys)
             self.recent.v.write(self.recent_count, values)
@@ -267,7 +264,7 @@ class BlockCache(GmlxCache):
         self.recent_count -= from_recent
         if n > from_recent:
             keep = self.sink_count - (n - from_recent)
-            self.sink = KV(self.sink.k[:, :, :keep], self.sink.v[:, :, :keep]) if keep else None
+            self.sink = keep_sink(self.sink, keep)
             self.sink_count = keep
         self.offset -= n
         self.newest = max(0, self.newest - n)

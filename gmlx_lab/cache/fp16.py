@@ -6,10 +6,27 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..records import KV
 from ..window import GROUP, SINK_TOKENS, groups_to_drop
 from .base import GmlxCache, array_bytes
 
 STORE_DTYPE = mx.float16
+
+
+def fill_sink(sink: KV | None, keys: mx.array, values: mx.array, room: int) -> tuple[KV, mx.array, mx.array]:
+    """Move an update's first `room` tokens into an fp16 sink; returns the sink and the update's other tokens.
+
+    The sink gets a copy, not a view: a slice would keep the update's whole buffer alive (a 2048-token prompt
+    chunk behind a 128-token sink) and a kernel that reads it would copy it again at every launch."""
+    head = KV(*(mx.contiguous(x[:, :, :room].astype(STORE_DTYPE)) for x in (keys, values)))
+    if sink is not None:
+        head = KV(*(mx.concatenate([a, b], axis=2) for a, b in zip(sink, head)))
+    return head, keys[:, :, room:], values[:, :, room:]
+
+
+def keep_sink(sink: KV, keep: int) -> KV | None:
+    """A sink's first `keep` tokens (a copy, as in `fill_sink`), or None for none."""
+    return KV(*(mx.contiguous(x[:, :, :keep]) for x in sink)) if keep else None
 
 
 class GrowingBuffer:

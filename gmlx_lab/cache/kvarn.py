@@ -39,7 +39,7 @@ from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens,
 from ..registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
 from ..window import groups_to_drop
 from .base import GmlxCache, array_bytes
-from .fp16 import STORE_DTYPE, GrowingBuffer
+from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
 
 __all__ = ["KVarNCache", "SINK_TOKENS"]
 
@@ -106,11 +106,8 @@ class KVarNCache(GmlxCache):
         n = keys.shape[2]
         room = SINK_TOKENS - self.sink_tokens
         if room > 0:  # the first 128 tokens fill the sink
-            head = KV(keys[:, :, :room].astype(STORE_DTYPE), values[:, :, :room].astype(STORE_DTYPE))
-            self.sink = head if self.sink is None else KV(*(mx.concatenate([a, b], axis=2)
-                                                            for a, b in zip(self.sink, head)))
-            self.sink_tokens += head.k.shape[2]
-            keys, values = keys[:, :, room:], values[:, :, room:]
+            self.sink, keys, values = fill_sink(self.sink, keys, values, room)
+            self.sink_tokens = self.sink.k.shape[2]
         if keys.shape[2]:
             self.recent.k.write(self.recent_tokens, keys)
             self.recent.v.write(self.recent_tokens, values)
@@ -251,7 +248,7 @@ class KVarNCache(GmlxCache):
         self.recent_tokens -= from_recent
         if n > from_recent:
             keep = self.sink_tokens - (n - from_recent)
-            self.sink = KV(self.sink.k[:, :, :keep], self.sink.v[:, :, :keep]) if keep else None
+            self.sink = keep_sink(self.sink, keep)
             self.sink_tokens = keep
         self.offset -= n
         self.newest = max(0, self.newest - n)
