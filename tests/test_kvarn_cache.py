@@ -113,6 +113,24 @@ def test_attention_over_cache_equals_attention_over_decoded_kv(dim, q_len):
     assert float(mx.abs(ours - ref).max()) < tol * max(1.0, float(mx.abs(ref).max()))
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_reference_attention_takes_array_masks_by_region(kind):
+    """The reference path attends to records and fp16 tokens apart (cache.attend on the CPU): an array mask over
+    the fetched K/V's columns (sink, body, recent) must reach each region's columns."""
+    k, v = random_kv(700, heads=2, dim=128)
+    cache = KVarNCache(4, 4, kv_tail_tokens=128)
+    kk, vv = feed(cache, k, v, [690, 10])
+    assert cache.n_records > 0 and cache.region_tokens()["sink"] == 128
+    mx.random.seed(5)
+    q = mx.random.normal((1, 4, 10, 128))
+    keep = mx.random.uniform(shape=(1, 1, 10, 700)) > 0.3  # hides columns of every region
+    mask = keep if kind == "bool" else mx.where(keep, 0.0, -1e9)
+    with mx.stream(mx.cpu):
+        ours = cache.attend(q, kk, vv, scale=0.1, mask=mask)
+        ref = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=0.1, mask=mask)
+    assert float(mx.abs(ours - ref).max()) < 1e-4 * max(1.0, float(mx.abs(ref).max()))
+
+
 def test_nbytes_is_exact_and_records_are_2048b_plus_768():
     k, v = random_kv(1000, heads=2, dim=256)
     cache = KVarNCache(6, 4, kv_tail_tokens=300)

@@ -38,6 +38,7 @@ from ..kernels import (
 from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
 from ..registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
 from ..window import groups_to_drop
+from .attention import grouped_attention, merge_partials
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
 
@@ -225,7 +226,30 @@ class KVarNCache(GmlxCache):
         route = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode")
         if route is not None:
             return kvarn_attend(queries, scale, mask, parts, emulate=route == "emulated", counter=self._counter)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        if self.body is None or self._unpacks():  # the fetched K/V: fp16 only, or one kvarn_unpack pass (GPU)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return self._attend_by_region(queries, scale, mask)
+
+    def _attend_by_region(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """The reference attention, as the fused kernel computes it: the records in rotated space with rotated
+        queries, the fp16 sink and recent tokens with the queries as they are, one softmax over both
+        (`merge_partials`), and only the records' share of the output rotated back. Rotating the decoded body
+        back instead costs a Hadamard transform of every token at every step (1.5x the CPU decode step of a
+        4096-token cache, measured on this lab's CPU)."""
+        dtype = queries.dtype
+        n, ns = self.recent_tokens, self.sink_tokens
+        body = KV(*(decode_tokens(r, dtype) for r in self.body))
+        fp16 = KV(*(mx.concatenate([s.astype(dtype), buf.data[:, :, :n].astype(dtype)], axis=2)
+                    for s, buf in zip(self.sink, self.recent)))
+        if isinstance(mask, mx.array):  # columns in fetch's order: sink, body, recent
+            nb = body.k.shape[2]
+            fp16_mask, body_mask = mx.concatenate([mask[..., :ns], mask[..., ns + nb:]], axis=-1), mask[..., ns:ns + nb]
+        else:  # None or "causal": every record precedes every query (the latest update is never sealed)
+            fp16_mask, body_mask = mask, None
+        out_body, lse_body = grouped_attention(mx.hadamard_transform(queries), *body, scale, body_mask)
+        out_fp16, lse_fp16 = grouped_attention(queries, *fp16, scale, fp16_mask)
+        out = merge_partials([(mx.hadamard_transform(out_body), lse_body), (out_fp16, lse_fp16)])
+        return out.astype(dtype)
 
     def record(self, kind: str, batch: int, head: int, index: int, slice_: int = 0) -> Records:
         """One sealed record as a `Records` (for notebooks and tests)."""
