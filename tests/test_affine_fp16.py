@@ -47,12 +47,13 @@ def test_mlx_lm_quantized_cache_crashes_where_ours_works():
 
 @pytest.mark.parametrize("group", (32, 64, 128))
 @pytest.mark.parametrize("rotate", (False, True))
-def test_affine_attention_equals_attention_over_fetched(group, rotate):
+@pytest.mark.parametrize("q_len", (1, 4))  # on the CPU: two quantized_matmul calls, then the dequantized codes
+def test_affine_attention_equals_attention_over_fetched(group, rotate, q_len):
     k, v = random_kv(300)
     cache = AffineCache(bits=4, group_size=group, rotate=rotate)
-    cache.update_and_fetch(k[:, :, :296], v[:, :, :296])
-    kk, vv = cache.update_and_fetch(k[:, :, 296:], v[:, :, 296:])
-    q = mx.random.normal((1, 4, 4, 128))
+    cache.update_and_fetch(k[:, :, :300 - q_len], v[:, :, :300 - q_len])
+    kk, vv = cache.update_and_fetch(k[:, :, 300 - q_len:], v[:, :, 300 - q_len:])
+    q = mx.random.normal((1, 4, q_len, 128))
     ours = cache.attend(q, kk, vv, scale=0.09, mask="causal")
     ref = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=0.09, mask="causal")
     # on a GPU the matmuls run in float16 (CUDA quantized_matmul has no float32): the H200 log shows 3.3e-3
