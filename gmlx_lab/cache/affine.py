@@ -124,7 +124,8 @@ class AffineCache(GmlxCache):
         return self.fp16[0].view(end), self.fp16[1].view(end)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        """Attention straight from the codes: fused split-K kernel on a GPU, else two `mx.quantized_matmul`.
+        """Attention from the codes: the fused split-K kernel on a GPU, else two `mx.quantized_matmul` (or, for a
+        block of query tokens where that is slow or missing, SDPA over the dequantized codes: `_decoded_block`).
 
         keys/values are what update_and_fetch returned (the decoded codes); the fused path does not read them.
         """
