@@ -24,9 +24,11 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.kvarn import KVarNCache
 from gmlx_lab.kernels import active_backend, seal_records
+from gmlx_lab.kernels import decode as fused
 from gmlx_lab.records import encode_tokens
 
 HQ, HKV, D = 32, 8, 128
+default_prefetch = fused.kvarn_prefetch
 
 
 def timed(fn: Callable[[], mx.array], iters: int, repeats: int) -> tuple[float, float]:
@@ -55,7 +57,8 @@ def nbytes(*arrays: mx.array | None) -> int:
 
 
 IMPLS = ("fp16_sdpa", "mlx_lm_affine8", "mlx_lm_affine4", "fused_affine8", "fused_affine4", "fused_kvarn6",
-         "fused_kvarn4")
+         "fused_kvarn4", "fused_kvarn6_noprefetch", "fused_kvarn4_noprefetch")
+DEFAULT_IMPLS = IMPLS[:7]  # the _noprefetch rows: kvarn_decode with decode.kvarn_prefetch off, side by side
 
 
 def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS) -> list[dict]:
@@ -93,7 +96,9 @@ def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] 
         read = c.nbytes - c.regions()["reserve"]
         add(f"fused_affine{bits}", lambda c=c, kk=kk, vv=vv: c.attend(q, kk, vv, scale, None), read)
         del c, kk, vv
-    for bits in (b for b in (6, 4) if f"fused_kvarn{b}" in impls):
+    kvarn = [(b, pf) for b in (6, 4) for pf in (True, False) if f"fused_kvarn{b}{'' if pf else '_noprefetch'}" in impls]
+    for bits, prefetch in kvarn:
+        fused.kvarn_prefetch = prefetch  # the plan, and so the compiled graph, carries it
         c = KVarNCache(bits, bits, kv_tail_tokens=1024)
         c.update_and_fetch(k, v)
         c.seal()  # what the next token would seal: the steady state of a decode step
@@ -101,9 +106,10 @@ def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] 
         kk, vv = c.fetch(q.dtype, decode_step=True)  # (a graph the fused path never evaluates)
         mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.body])
         read = c.nbytes - c.regions()["reserve"]
-        add(f"fused_kvarn{bits}", lambda c=c, kk=kk, vv=vv: c.attend(q, kk, vv, scale, None), read,
-            records=c.n_records)
+        add(f"fused_kvarn{bits}{'' if prefetch else '_noprefetch'}",
+            lambda c=c, kk=kk, vv=vv: c.attend(q, kk, vv, scale, None), read, records=c.n_records)
         del c, kk, vv
+    fused.kvarn_prefetch = default_prefetch
     base = next(r["us"] for r in rows if r["impl"] == "fp16_sdpa")
     for r in rows:
         r["ratio_to_fp16"] = round(r["us"] / base, 3)
@@ -147,7 +153,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="fp16_sdpa always runs")
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS), help="fp16_sdpa always runs")
     ap.add_argument("--skip-seal", action="store_true", help="do not time sealing")
     ap.add_argument("--note", default="", help="stored in the JSON (e.g. which kernel version ran)")
     ap.add_argument("--out", default="benchmarks/results/decode_attention-h200.json")

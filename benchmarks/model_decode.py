@@ -170,7 +170,18 @@ def one_launch() -> Any:
         fused.merge_in_kernel = before
 
 
-PROBES = {"lean-fetch": lean_fetch, "uncompiled": uncompiled, "one-launch": one_launch}
+@contextlib.contextmanager
+def no_prefetch() -> Any:
+    """Probe: kvarn_decode loads each chunk's code words just before multiplying them (the kernel before
+    decode.kvarn_prefetch): what loading the next chunk's words during the products gains. Its output is right."""
+    before, fused.kvarn_prefetch = fused.kvarn_prefetch, False  # the plan (the compiled graph's key) carries it
+    try:
+        yield
+    finally:
+        fused.kvarn_prefetch = before
+
+
+PROBES = {"lean-fetch": lean_fetch, "uncompiled": uncompiled, "one-launch": one_launch, "no-prefetch": no_prefetch}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:

@@ -28,6 +28,8 @@ NEG_INF = float("-inf")
 DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled variant per dtype
 MERGE_ENV = "GMLX_MERGE_IN_KERNEL"  # "1": on CUDA the split kernels merge their own splits (one launch a layer)
 merge_in_kernel = os.environ.get(MERGE_ENV, "0") == "1"
+PREFETCH_ENV = "GMLX_KVARN_PREFETCH"  # "0": kvarn_decode loads each chunk's code words just before multiplying them
+kvarn_prefetch = os.environ.get(PREFETCH_ENV, "1") != "0"
 PARAM_ROWS = 256  # parameter rows made at once for a count that moves every step (step_params)
 
 
@@ -177,6 +179,7 @@ class KvarnPlan(NamedTuple):
     kbits: int
     vbits: int
     merge: bool  # the kernel merges its own splits (kernel_merges)
+    prefetch: bool  # the kernel loads the next chunk's code words while multiplying (kvarn_prefetch)
 
 
 def kernel_merges() -> bool:
@@ -215,17 +218,17 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     r, s = kbody.codes.shape[2:4]
     fp16_units = kvarn_units(r, parts.recent_tokens)[1]
     return _kvarn_plan(nq, bh, r, s, parts.sink.k.shape[2], fp16_units, length, causal, kbody.bits, vbody.bits,
-                       per_warp, kvarn_warps(d), kernel_merges())
+                       per_warp, kvarn_warps(d), kernel_merges(), kvarn_prefetch)
 
 
 @lru_cache(maxsize=256)
 def _kvarn_plan(nq: int, bh: int, r: int, s: int, sink: int, fp16_units: int, length: int, causal: bool,
-                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool) -> KvarnPlan:
+                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool, prefetch: bool) -> KvarnPlan:
     """kvarn_plan's arithmetic, once per geometry: the layers of a decode step repeat it, and it moves every 128
     tokens."""
     nchunk = -(-nq // KVARN_QN)
     per, nsr, nsf = kvarn_splits(r, (fp16_units - 1) * 128, bh * nchunk, warps, per_warp)
-    return KvarnPlan(r, s, sink, per, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge)
+    return KvarnPlan(r, s, sink, per, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge, prefetch)
 
 
 def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
@@ -260,7 +263,8 @@ def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], pa
          "counter_out": ((counter.size,) if plan.merge else (1,), mx.uint32)},
         grid=(32 * plan.warps, nsplit, bh * plan.nchunk), threadgroup=(32 * plan.warps, 1, 1),
         template={"KB": plan.kbits, "VB": plan.vbits, "S": plan.slices, "NQ": nq, "NCHUNK": plan.nchunk,
-                  "L": plan.length, "WARPS": plan.warps, "MERGE": int(plan.merge), "QDT": DTYPE_IDS[qg.dtype]},
+                  "L": plan.length, "WARPS": plan.warps, "MERGE": int(plan.merge), "QDT": DTYPE_IDS[qg.dtype],
+                  "PF": int(plan.prefetch)},
     ))
 
 

@@ -29,6 +29,16 @@ FN void load_codes16(GLOBAL_CONST uint32_t* row, u32 g, THREAD u32* w) {
   UNROLL for (int i = 0; i < NW; ++i) w[i] = half_word ? ((raw[i] >> 16) | (raw[i + 1] << 16)) : raw[i];
 }
 
+// The code words of four packed rows (each as load_codes16: codes 16g .. 16g+15) into w[0 .. 4 NW).
+template <int B>
+FN void load_rows4(GLOBAL_CONST uint32_t* codes, int r0, int r1, int r2, int r3, u32 g, THREAD u32* w) {
+  constexpr int NW = (B + 1) / 2;
+  load_codes16<B>(codes + u32(r0) * u32(4 * B), g, w);
+  load_codes16<B>(codes + u32(r1) * u32(4 * B), g, w + NW);
+  load_codes16<B>(codes + u32(r2) * u32(4 * B), g, w + 2 * NW);
+  load_codes16<B>(codes + u32(r3) * u32(4 * B), g, w + 3 * NW);
+}
+
 // Code j (0..15, a constant after unrolling) of the 16 held in w: bits [jB, jB + B).
 template <int B>
 FN u32 code16(const THREAD u32* w, int j) {
