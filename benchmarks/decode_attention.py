@@ -57,8 +57,8 @@ def nbytes(*arrays: mx.array | None) -> int:
 
 
 IMPLS = ("fp16_sdpa", "mlx_lm_affine8", "mlx_lm_affine4", "fused_affine8", "fused_affine4", "fused_kvarn6",
-         "fused_kvarn4", "fused_kvarn6_noprefetch", "fused_kvarn4_noprefetch")
-DEFAULT_IMPLS = IMPLS[:7]  # the _noprefetch rows: kvarn_decode with decode.kvarn_prefetch off, side by side
+         "fused_kvarn4", *(f"fused_kvarn{b}_prefetch{level}" for b in (6, 4) for level in fused.PREFETCH_LEVELS))
+DEFAULT_IMPLS = IMPLS[:7]  # the _prefetch rows: kvarn_decode at each decode.kvarn_prefetch level, side by side
 
 
 def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS) -> list[dict]:
@@ -96,8 +96,11 @@ def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] 
         read = c.nbytes - c.regions()["reserve"]
         add(f"fused_affine{bits}", lambda c=c, kk=kk, vv=vv: c.attend(q, kk, vv, scale, None), read)
         del c, kk, vv
-    kvarn = [(b, pf) for b in (6, 4) for pf in (True, False) if f"fused_kvarn{b}{'' if pf else '_noprefetch'}" in impls]
-    for bits, prefetch in kvarn:
+    kvarn = [(b, None) for b in (6, 4) if f"fused_kvarn{b}" in impls]
+    kvarn += [(b, level) for b in (6, 4) for level in fused.PREFETCH_LEVELS
+              if f"fused_kvarn{b}_prefetch{level}" in impls]
+    for bits, level in kvarn:
+        prefetch = default_prefetch if level is None else level
         fused.kvarn_prefetch = prefetch  # the plan, and so the compiled graph, carries it
         c = KVarNCache(bits, bits, kv_tail_tokens=1024)
         c.update_and_fetch(k, v)
@@ -106,7 +109,7 @@ def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] 
         kk, vv = c.fetch(q.dtype, decode_step=True)  # (a graph the fused path never evaluates)
         mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.body])
         read = c.nbytes - c.regions()["reserve"]
-        add(f"fused_kvarn{bits}{'' if prefetch else '_noprefetch'}",
+        add(f"fused_kvarn{bits}{'' if level is None else f'_prefetch{level}'}",
             lambda c=c, kk=kk, vv=vv: c.attend(q, kk, vv, scale, None), read, records=c.n_records)
         del c, kk, vv
     fused.kvarn_prefetch = default_prefetch

@@ -170,18 +170,21 @@ def one_launch() -> Any:
         fused.merge_in_kernel = before
 
 
-@contextlib.contextmanager
-def no_prefetch() -> Any:
-    """Probe: kvarn_decode loads each chunk's code words just before multiplying them (the kernel before
-    decode.kvarn_prefetch): what loading the next chunk's words during the products gains. Its output is right."""
-    before, fused.kvarn_prefetch = fused.kvarn_prefetch, False  # the plan (the compiled graph's key) carries it
-    try:
-        yield
-    finally:
-        fused.kvarn_prefetch = before
+def prefetch(level: int) -> Any:
+    """Probe: kvarn_decode at prefetch level `level` (decode.PREFETCH_LEVELS: what it loads ahead of its
+    tensor-core products) whatever the default: what each level gains or costs. Its output is right."""
+    @contextlib.contextmanager
+    def probe() -> Any:
+        before, fused.kvarn_prefetch = fused.kvarn_prefetch, level  # the plan (the compiled graph's key) carries it
+        try:
+            yield
+        finally:
+            fused.kvarn_prefetch = before
+    return probe
 
 
-PROBES = {"lean-fetch": lean_fetch, "uncompiled": uncompiled, "one-launch": one_launch, "no-prefetch": no_prefetch}
+PROBES = {"lean-fetch": lean_fetch, "uncompiled": uncompiled, "one-launch": one_launch,
+          **{f"prefetch{level}": prefetch(level) for level in fused.PREFETCH_LEVELS}}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:
@@ -450,6 +453,8 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model: nn.Mod
         "model": model_name(model), "layers": len(model.layers), "weight_bits": args.weights,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine(), "seconds": round(seconds, 1),
+        "kernel_settings": {"compile_graphs": build.compile_graphs, "merge_in_kernel": fused.merge_in_kernel,
+                            "kvarn_prefetch": fused.kvarn_prefetch},
         "tokens": "eval_text.txt, model tokenizer" if source == "text" else f"random ids, seed {args.seed}",
         "method": __doc__.split("\n\n", 2)[2].split("\nSchemes:")[0].strip(),
         "rows": rows,

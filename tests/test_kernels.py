@@ -317,6 +317,27 @@ def test_kvarn_kernel_equals_emulation(case: tuple[int, ...]) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("level", decode.PREFETCH_LEVELS)
+@pytest.mark.parametrize("case", [KVARN_CASES[0], KVARN_CASES[2]])
+def test_kvarn_kernel_equals_emulation_at_every_prefetch_level(case: tuple[int, ...], level: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """What kvarn_decode loads ahead of its products (decode.kvarn_prefetch) changes when, never what."""
+    d, hq, hkv, lq, kb, vb, tokens, tail = case
+    c = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=9, seal=False)
+    qg = group_queries(mx.random.normal((1, hq, lq, d)), hkv)
+    monkeypatch.setattr(decode, "kvarn_prefetch", level)
+    ko, kl, _ = kvarn_partials(qg, d**-0.5, c.parts(), lq, lq > 1, per_warp=2)
+    eo, el, _ = kvarn_partials(qg, d**-0.5, c.parts(), lq, lq > 1, per_warp=2, emulate=True)
+    assert _rel(ko, eo) < KERNEL_TOL and mx.allclose(kl, el, rtol=KERNEL_TOL, atol=KERNEL_TOL).item()
+
+
+def test_prefetch_level_is_checked() -> None:
+    assert [decode.prefetch_level(x) for x in ("0", "1", "2")] == [0, 1, 2]
+    with pytest.raises(ValueError, match="GMLX_KVARN_PREFETCH='yes'; accepted: 0, 1, 2"):
+        decode.prefetch_level("yes")
+
+
+@gpu
 @pytest.mark.parametrize("case", AFFINE_CASES)
 def test_affine_fused_matches_reference(case: tuple[int, ...]) -> None:
     bits, gs, d, lq = case

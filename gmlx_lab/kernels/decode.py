@@ -28,8 +28,20 @@ NEG_INF = float("-inf")
 DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled variant per dtype
 MERGE_ENV = "GMLX_MERGE_IN_KERNEL"  # "1": on CUDA the split kernels merge their own splits (one launch a layer)
 merge_in_kernel = os.environ.get(MERGE_ENV, "0") == "1"
-PREFETCH_ENV = "GMLX_KVARN_PREFETCH"  # "0": kvarn_decode loads each chunk's code words just before multiplying them
-kvarn_prefetch = os.environ.get(PREFETCH_ENV, "1") != "0"
+# What kvarn_decode loads ahead of its tensor-core products (template PF): 0 nothing (each chunk's code words just
+# before they are multiplied), 1 the next chunk's code words, 2 those and a slice's token / channel factors.
+PREFETCH_ENV = "GMLX_KVARN_PREFETCH"
+PREFETCH_LEVELS = (0, 1, 2)
+
+
+def prefetch_level(text: str) -> int:
+    """A prefetch level from its text (GMLX_KVARN_PREFETCH), with a clear error for anything else."""
+    if text.strip() not in {str(level) for level in PREFETCH_LEVELS}:
+        raise ValueError(f"{PREFETCH_ENV}={text!r}; accepted: {', '.join(map(str, PREFETCH_LEVELS))}")
+    return int(text)
+
+
+kvarn_prefetch = prefetch_level(os.environ.get(PREFETCH_ENV, "1"))
 PARAM_ROWS = 256  # parameter rows made at once for a count that moves every step (step_params)
 
 
@@ -179,7 +191,7 @@ class KvarnPlan(NamedTuple):
     kbits: int
     vbits: int
     merge: bool  # the kernel merges its own splits (kernel_merges)
-    prefetch: bool  # the kernel loads the next chunk's code words while multiplying (kvarn_prefetch)
+    prefetch: int  # what the kernel loads ahead of its products (kvarn_prefetch, PREFETCH_LEVELS)
 
 
 def kernel_merges() -> bool:
@@ -223,7 +235,7 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
 
 @lru_cache(maxsize=256)
 def _kvarn_plan(nq: int, bh: int, r: int, s: int, sink: int, fp16_units: int, length: int, causal: bool,
-                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool, prefetch: bool) -> KvarnPlan:
+                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool, prefetch: int) -> KvarnPlan:
     """kvarn_plan's arithmetic, once per geometry: the layers of a decode step repeat it, and it moves every 128
     tokens."""
     nchunk = -(-nq // KVARN_QN)
@@ -264,7 +276,7 @@ def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], pa
         grid=(32 * plan.warps, nsplit, bh * plan.nchunk), threadgroup=(32 * plan.warps, 1, 1),
         template={"KB": plan.kbits, "VB": plan.vbits, "S": plan.slices, "NQ": nq, "NCHUNK": plan.nchunk,
                   "L": plan.length, "WARPS": plan.warps, "MERGE": int(plan.merge), "QDT": DTYPE_IDS[qg.dtype],
-                  "PF": int(plan.prefetch)},
+                  "PF": plan.prefetch},
     ))
 
 

@@ -66,6 +66,14 @@ FN void codes_fragment(const THREAD u32* w0, const THREAD u32* w1, const THREAD 
 FN u32 low_halves(u32 x, u32 y) { return (x & 0xffffu) | (y << 16); }
 FN u32 high_halves(u32 x, u32 y) { return (x >> 16) | (y & 0xffff0000u); }
 
+// Eight words (16 float16 values) from p, which is 4-byte aligned.
+FN void load_pairs8(GLOBAL_CONST HALF* p, THREAD u32* w) {
+  UNROLL for (int i = 0; i < 8; ++i) w[i] = ((GLOBAL_CONST u32*)p)[i];
+}
+
 // The two float values of a float16 pair.
 FN float pair_lo(u32 x) { return half_bits_to_float(x & 0xffffu); }
 FN float pair_hi(u32 x) { return half_bits_to_float(x >> 16); }
+
+// Value i (0..15) of the 16 float16 values held in w[0..8), as load_pairs8 reads them.
+FN float pair_half(const THREAD u32* w, int i) { return (i & 1) ? pair_hi(w[i >> 1]) : pair_lo(w[i >> 1]); }
