@@ -30,6 +30,9 @@ MERGE_ENV = "GMLX_MERGE_IN_KERNEL"  # "1": on CUDA the split kernels merge their
 merge_in_kernel = os.environ.get(MERGE_ENV, "0") == "1"
 # What kvarn_decode loads ahead of its tensor-core products (template PF): 0 nothing (each chunk's code words just
 # before they are multiplied), 1 the next chunk's code words, 2 those and a slice's token / channel factors.
+# 0 is the default: alone on the H200 (benchmarks/results/decode_attention-prefetch-h200.json, commit cbb3add) kvarn6
+# took 46.9 / 141.7 µs a call at 32K / 128K with 0, 54.0 / 154.0 with 1 and 53.0 / 148.9 with 2 (more registers
+# a thread, fewer warps to hide the loads); kvarn4 45.6 / 133.2, 44.8 / 129.3 and 49.0 / 141.4.
 PREFETCH_ENV = "GMLX_KVARN_PREFETCH"
 PREFETCH_LEVELS = (0, 1, 2)
 
@@ -41,7 +44,7 @@ def prefetch_level(text: str) -> int:
     return int(text)
 
 
-kvarn_prefetch = prefetch_level(os.environ.get(PREFETCH_ENV, "1"))
+kvarn_prefetch = prefetch_level(os.environ.get(PREFETCH_ENV, "0"))
 PARAM_ROWS = 256  # parameter rows made at once for a count that moves every step (step_params)
 
 
