@@ -332,9 +332,38 @@ def test_kvarn_kernel_equals_emulation_at_every_prefetch_level(case: tuple[int, 
 
 
 def test_prefetch_level_is_checked() -> None:
-    assert [decode.prefetch_level(x) for x in ("0", "1", "2")] == [0, 1, 2]
-    with pytest.raises(ValueError, match="GMLX_KVARN_PREFETCH='yes'; accepted: 0, 1, 2"):
+    assert [decode.prefetch_level(x) for x in ("0", "1", "2", "3")] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="GMLX_KVARN_PREFETCH='yes'; accepted: 0, 1, 2, 3"):
         decode.prefetch_level("yes")
+
+
+@pytest.mark.parametrize("d, kb, vb, backend, stages", [
+    (128, 6, 6, "cuda", 3), (128, 4, 4, "cuda", 4), (128, 8, 8, "cuda", 2), (256, 6, 6, "cuda", 3),
+    (512, 8, 2, "cuda", 0), (128, 4, 4, "metal", 0)])
+def test_ring_stages_fill_the_threadgroup_memory(d: int, kb: int, vb: int, backend: str, stages: int) -> None:
+    """The PF 3 ring gets the slots that fit beside the rest of a threadgroup's memory, and none below two."""
+    assert decode.ring_stages(d, kb, vb, decode.KVARN_WARPS, backend) == stages
+    limit = decode.THREADGROUP_BYTES[backend]
+    slot = 4 * decode.KVARN_WARPS * decode.ring_slot_words(kb, vb)
+    rest = decode.kvarn_threadgroup_bytes(d, decode.KVARN_WARPS, 0)
+    if stages:
+        assert rest + stages * slot <= limit
+        assert stages == decode.RING_STAGES_MAX or rest + (stages + 1) * slot > limit
+    else:
+        assert rest + 2 * slot > limit
+
+
+def test_ring_level_runs_level_0_where_its_ring_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no ring fits (head_dim 512 with 8-bit codes) the plan says level 0 runs, not the ring."""
+    monkeypatch.setattr(decode, "kvarn_prefetch", decode.RING_LEVEL)
+    d, hq, hkv, lq, kb, vb, tokens, tail = KVARN_CASES[3]
+    parts = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=3).parts()
+    assert decode.kvarn_plan(hq // hkv, d, hkv, parts, lq, False).prefetch == 0
+    d, hq, hkv, lq, kb, vb, tokens, tail = KVARN_CASES[0]
+    parts = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=3).parts()
+    with threads.on_cpu_threads("cuda"):
+        plan = decode.kvarn_plan(hq // hkv, d, hkv, parts, lq, False)
+    assert (plan.prefetch, plan.stages) == (decode.RING_LEVEL, 3)
 
 
 @gpu

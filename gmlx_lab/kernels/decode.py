@@ -29,12 +29,15 @@ DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled
 MERGE_ENV = "GMLX_MERGE_IN_KERNEL"  # "1": on CUDA the split kernels merge their own splits (one launch a layer)
 merge_in_kernel = os.environ.get(MERGE_ENV, "0") == "1"
 # What kvarn_decode loads ahead of its tensor-core products (template PF): 0 nothing (each chunk's code words just
-# before they are multiplied), 1 the next chunk's code words, 2 those and a slice's token / channel factors.
+# before they are multiplied), 1 the next chunk's code words, 2 those and a slice's token / channel factors (both
+# into registers), 3 the next chunks' code words and scale / zero factors into a ring in threadgroup memory by
+# asynchronous copies (CUDA's cp.async; ring_stages says how deep, and where it does not fit level 0 runs).
 # 0 is the default: alone on the H200 (benchmarks/results/decode_attention-prefetch-h200.json, commit cbb3add) kvarn6
 # took 46.9 / 141.7 µs a call at 32K / 128K with 0, 54.0 / 154.0 with 1 and 53.0 / 148.9 with 2 (more registers
 # a thread, fewer warps to hide the loads); kvarn4 45.6 / 133.2, 44.8 / 129.3 and 49.0 / 141.4.
 PREFETCH_ENV = "GMLX_KVARN_PREFETCH"
-PREFETCH_LEVELS = (0, 1, 2)
+PREFETCH_LEVELS = (0, 1, 2, 3)
+RING_LEVEL = 3  # the level that stages through the ring
 
 
 def prefetch_level(text: str) -> int:
@@ -150,6 +153,7 @@ def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dty
 # -- kvarn ----------------------------------------------------------------------------------
 KVARN_WARPS = 4  # warps per kvarn_decode threadgroup; each walks its own run of units
 KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16 tensor-core products
+KVARN_PROW = 132  # floats per row of kvarn_decode's weights and outputs tiles (128 and 4 against bank conflicts)
 KVARN_HEAD_DIMS = (128, 256, 512)  # the fused kernel's head dims: whole 128-channel slices, a power of two
 # (512 is also Metal's limit: past it the queries and one slice's outputs fill a threadgroup's 32 KB)
 # One wave of warps on an H200: 132 multiprocessors x 3 threadgroups of 4 warps (the kernel's 158 registers
@@ -161,6 +165,32 @@ def kvarn_warps(d: int) -> int:
     """Warps per kvarn_decode threadgroup: KVARN_WARPS, but 2 past head_dim 256 on Metal, where a threadgroup
     has 32 KB of memory: the queries (8 x D floats) and four warps' softmax weights (16.5 KB) do not fit."""
     return 2 if d > 256 and kernel_backend() == "metal" else KVARN_WARPS
+
+
+# Threadgroup memory a threadgroup may declare statically: 48 KB on CUDA, 32 KB on Apple GPUs.
+THREADGROUP_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
+RING_STAGES_MAX = 4  # PF 3: at most this many slots a warp (three chunks in flight while one is multiplied)
+
+
+def ring_slot_words(kbits: int, vbits: int) -> int:
+    """Words of one ring slot: a chunk's 16 code rows at the wider of the two widths, and 16 factor words."""
+    return 64 * max(kbits, vbits) + 16
+
+
+def kvarn_threadgroup_bytes(d: int, warps: int, ring_words: int) -> int:
+    """Threadgroup memory of one kvarn_decode threadgroup: queries, per-warp weights, one slice's outputs, the
+    softmax statistics, the ticket and `ring_words` of ring slots (as the body declares them)."""
+    qn = KVARN_QN
+    return 4 * (qn * d + warps * qn * KVARN_PROW + qn * KVARN_PROW + 2 * warps * qn + 2 * qn + 1 + ring_words)
+
+
+def ring_stages(d: int, kbits: int, vbits: int, warps: int, backend: str) -> int:
+    """Slots a warp of the PF 3 ring gets: as many as fit beside the rest of a threadgroup's memory, at most
+    RING_STAGES_MAX; 0 where fewer than two fit (no ring: at head_dim 512, and on Apple GPUs' 32 KB)."""
+    slot = ring_slot_words(kbits, vbits)
+    limit = THREADGROUP_BYTES.get(backend, THREADGROUP_BYTES["cuda"])  # "cpu": the reference runs no kernel
+    stages = (limit - kvarn_threadgroup_bytes(d, warps, 0)) // (4 * warps * slot)
+    return min(RING_STAGES_MAX, stages) if stages >= 2 else 0
 
 
 def kvarn_units(records: int, recent: int) -> tuple[int, int]:
@@ -195,6 +225,7 @@ class KvarnPlan(NamedTuple):
     vbits: int
     merge: bool  # the kernel merges its own splits (kernel_merges)
     prefetch: int  # what the kernel loads ahead of its products (kvarn_prefetch, PREFETCH_LEVELS)
+    stages: int  # slots a warp of the PF 3 ring (ring_stages); 1 at the other levels
 
 
 def kernel_merges() -> bool:
@@ -233,17 +264,22 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     r, s = kbody.codes.shape[2:4]
     fp16_units = kvarn_units(r, parts.recent_tokens)[1]
     return _kvarn_plan(nq, bh, r, s, parts.sink.k.shape[2], fp16_units, length, causal, kbody.bits, vbody.bits,
-                       per_warp, kvarn_warps(d), kernel_merges(), kvarn_prefetch)
+                       per_warp, kvarn_warps(d), kernel_merges(), kvarn_prefetch, kernel_backend())
 
 
 @lru_cache(maxsize=256)
 def _kvarn_plan(nq: int, bh: int, r: int, s: int, sink: int, fp16_units: int, length: int, causal: bool,
-                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool, prefetch: int) -> KvarnPlan:
+                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool, prefetch: int, backend: str
+                ) -> KvarnPlan:
     """kvarn_plan's arithmetic, once per geometry: the layers of a decode step repeat it, and it moves every 128
-    tokens."""
+    tokens. The ring level (PF 3) becomes level 0 where its ring does not fit (ring_stages 0); the plan says which
+    level runs."""
     nchunk = -(-nq // KVARN_QN)
     per, nsr, nsf = kvarn_splits(r, (fp16_units - 1) * 128, bh * nchunk, warps, per_warp)
-    return KvarnPlan(r, s, sink, per, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge, prefetch)
+    stages = ring_stages(s * 128, kbits, vbits, warps, backend) if prefetch == RING_LEVEL else 1
+    if stages == 0:
+        prefetch, stages = 0, 1
+    return KvarnPlan(r, s, sink, per, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge, prefetch, stages)
 
 
 def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
@@ -279,7 +315,8 @@ def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], pa
         grid=(32 * plan.warps, nsplit, bh * plan.nchunk), threadgroup=(32 * plan.warps, 1, 1),
         template={"KB": plan.kbits, "VB": plan.vbits, "S": plan.slices, "NQ": nq, "NCHUNK": plan.nchunk,
                   "L": plan.length, "WARPS": plan.warps, "MERGE": int(plan.merge), "QDT": DTYPE_IDS[qg.dtype],
-                  "PF": plan.prefetch},
+                  "PF": plan.prefetch, "NST": plan.stages,
+                  "PROW": KVARN_PROW},
     ))
 
 

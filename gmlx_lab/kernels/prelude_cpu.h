@@ -102,6 +102,25 @@ FN void mma16816(float* c, const u32* a, const u32* b, u32 lane) {
   }
 }
 
+// ---- asynchronous copies (CUDA's cp.async), done late on purpose ----
+// Each lane keeps its copies in groups; a copy happens only when the lane waits for its group (async_wait), never
+// when it is issued, so a body that reads a slot before waiting, or before the other lanes have waited
+// (WARP_BARRIER), reads stale words here as it could on a GPU.
+struct GmlxCopy { u32* dst; const u32* src; int words; };
+struct GmlxCopyGroups { std::vector<std::vector<GmlxCopy>> groups{1}; };   // the last one is still open
+inline GmlxCopyGroups gmlx_copies[1024];   // per lane of the running threadgroup
+FN void gmlx_copy_later(u32* dst, const u32* src, int words) { gmlx_copies[gmlx_tid()].groups.back().push_back({dst, src, words}); }
+FN void async_copy16(u32* dst, const u32* src) { gmlx_copy_later(dst, src, 4); }
+FN void async_copy4(u32* dst, const u32* src) { gmlx_copy_later(dst, src, 1); }
+FN void async_commit() { gmlx_copies[gmlx_tid()].groups.emplace_back(); }
+template <int N> FN void async_wait() {
+  auto& groups = gmlx_copies[gmlx_tid()].groups;   // committed groups: all but the open last one
+  while (groups.size() - 1 > size_t(N)) {
+    for (const GmlxCopy& c : groups.front()) std::memcpy(c.dst, c.src, 4 * size_t(c.words));
+    groups.erase(groups.begin());
+  }
+}
+
 // ---- the launch: blocks (y, z) in turn, each as `threads` lanes calling block_fn() ----
 template <typename F>
 bool gmlx_launch(u32 grid_y, u32 grid_z, u32 threads, F block_fn) {

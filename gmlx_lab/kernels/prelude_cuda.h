@@ -50,3 +50,15 @@ FN void mma16816(float* c, const u32* a, const u32* b, u32 lane) {
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+// Asynchronous copies from device memory into threadgroup memory (kvarn_decode's PF 3 ring): 16 or 4 bytes,
+// issued without holding registers until they land; a thread groups what it has issued (commit) and waits until
+// at most N of its groups are still in flight. Other lanes' copies are visible after a WARP_BARRIER.
+FN void async_copy16(u32* dst, const u32* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+FN void async_copy4(u32* dst, const u32* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+FN void async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> FN void async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }

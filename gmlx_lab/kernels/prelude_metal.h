@@ -59,3 +59,12 @@ FN void mma16816(thread float* c, const thread u32* a, const thread u32* b, u32 
     c[3] += float(ar8.x) * float(b1.x) + float(ar8.y) * float(b1.y);
   }
 }
+
+// kvarn_decode's PF 3 ring copies device memory into threadgroup memory asynchronously on CUDA; here the copies
+// are plain ones, done when issued (the plan never picks PF 3 on Metal: the ring does not fit in 32 KB).
+FN void async_copy16(threadgroup u32* dst, const device u32* src) {
+  for (int i = 0; i < 4; ++i) dst[i] = src[i];
+}
+FN void async_copy4(threadgroup u32* dst, const device u32* src) { dst[0] = src[0]; }
+FN void async_commit() {}
+template <int N> FN void async_wait() {}

@@ -10,8 +10,8 @@
 //   the running threadgroup: threadgroups run in turn), the only rewrite of the source text besides this header.
 // - attributes ([[kernel]], [[buffer(i)]], [[thread_position_in_grid]], [[host_name(...)]]) are ignored by
 //   g++ (-Wno-attributes); the launcher passes each thread's indices as the kernel's arguments (MetalIds).
-// - `half` is _Float16 (IEEE binary16, conversions round to nearest even); half2, float2, float4, uint3
-//   are structs with .x/.y(/.z/.w); as_type<T> is std::bit_cast (same size required, as in Metal).
+// - `half` is _Float16 (IEEE binary16, conversions round to nearest even); half2, float2, float4, uint3,
+//   uint4 are structs with .x/.y(/.z/.w); as_type<T> is std::bit_cast (same size required, as in Metal).
 // - SIMD groups are the 32-lane warps of cpu_lanes.h: simd_shuffle, simd_shuffle_xor, simd_sum, simd_max,
 //   simd_min exchange the lanes' values and synchronize the group (they run in lock step at each such call);
 //   simdgroup_barrier waits for the SIMD group, threadgroup_barrier for the threadgroup.
@@ -41,6 +41,7 @@ struct alignas(8) float2 { float x, y; };       // Metal's sizes and alignments
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) uint2 { uint x, y; };
 struct alignas(16) uint3 { uint x, y, z; };
+struct alignas(16) uint4 { uint x, y, z, w; };
 
 // ---- the Metal standard library's names this folder's kernels use ----
 namespace metal {

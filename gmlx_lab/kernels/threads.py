@@ -53,6 +53,7 @@ NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.uint32: np.uint32
 CACHE_DIR = Path(tempfile.gettempdir()) / "gmlx_cpu_threads"
 SOURCES = ("cuda", "metal")
 METAL_THREADGROUP_BYTES = 32768  # threadgroup memory of one threadgroup on Apple GPUs (M1 to M4)
+CUDA_STATIC_SHARED_BYTES = 49152  # static shared memory of one CUDA thread block (NVRTC refuses more)
 
 _source: str | None = None  # which source build.launch runs on CPU threads; None: it does not
 
@@ -173,11 +174,12 @@ def _load(lib: Path) -> ctypes.CDLL:
 
 @cache
 def threadgroup_bytes(lib: Path, kname: str) -> int:
-    """Threadgroup memory of Metal kernel `kname` compiled into `lib`: the sizes of its static variables (the
-    threadgroup variables made static), each rounded up to 16 bytes, read from the symbol table (nm -S)."""
+    """Threadgroup memory of kernel function `kname` compiled into `lib`: the sizes of its static variables (the
+    threadgroup / shared variables made static), each rounded up to 16 bytes, read from the symbol table (nm -S)."""
     res = subprocess.run(["nm", "-S", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+    prefixes = (f"_ZZ{len(kname)}{kname}", f"_ZZL{len(kname)}{kname}")  # _ZZ: a function's static variable (L: static)
     sizes = [int(f[1], 16) for f in map(str.split, res.stdout.splitlines())
-             if len(f) == 4 and f[3].startswith(f"_ZZ{len(kname)}{kname}")]   # _ZZ: a function's static variable
+             if len(f) == 4 and f[3].startswith(prefixes)]
     return sum(-(-size // 16) * 16 for size in sizes)
 
 
@@ -203,6 +205,10 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
     elif source == "cuda":
         args = [(k, C_TYPES[a.dtype], False) for k, a in inputs.items()]
         text = cuda_cpp(name, args + [(k, C_TYPES[dtype], True) for k, (_, dtype) in outputs.items()], template)
+        used = threadgroup_bytes(_library(text), "threadgroup")
+        if used > CUDA_STATIC_SHARED_BYTES:
+            raise RuntimeError(f"kernel {name} ({template}) declares {used} bytes of shared memory; a CUDA thread "
+                               f"block allows {CUDA_STATIC_SHARED_BYTES} statically (NVRTC would refuse it)")
     else:
         raise ValueError(f"CPU threads run the {' or '.join(SOURCES)} source, not {source!r}")
     arrays = [np.ascontiguousarray(np.array(a)) for a in inputs.values()]
