@@ -338,7 +338,7 @@ def test_prefetch_level_is_checked() -> None:
 
 
 @pytest.mark.parametrize("d, kb, vb, backend, stages", [
-    (128, 6, 6, "cuda", 3), (128, 4, 4, "cuda", 4), (128, 8, 8, "cuda", 2), (256, 6, 6, "cuda", 3),
+    (128, 6, 6, "cuda", 3), (128, 4, 4, "cuda", 4), (128, 8, 8, "cuda", 2), (256, 6, 6, "cuda", 2),
     (512, 8, 2, "cuda", 0), (128, 4, 4, "metal", 0)])
 def test_ring_stages_fill_the_threadgroup_memory(d: int, kb: int, vb: int, backend: str, stages: int) -> None:
     """The PF 3 ring gets the slots that fit beside the rest of a threadgroup's memory, and none below two."""

@@ -23,8 +23,9 @@ SIGNATURES = {
     "kvarn_decode": (
         [("q", "__half"), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"), ("ko", "__half"),
          ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half"), ("vo", "__half"), ("sk", "__half"),
-         ("sv", "__half"), ("rk", "__half"), ("rv", "__half"), ("params", "int32_t"), ("fparams", "float")],
-        [("part_o", "float"), ("part_lse", "float")]),
+         ("sv", "__half"), ("rk", "__half"), ("rv", "__half"), ("params", "int32_t"), ("fparams", "float"),
+         ("counter", "uint32_t")],
+        [("part_o", "float"), ("part_lse", "float"), ("out", "__half"), ("counter_out", "uint32_t")]),
     "split_merge": (
         [("part_o", "float"), ("part_lse", "float"), ("params", "int32_t")], [("out", "__half"), ("lse", "float")]),
     "affine_decode": (

@@ -173,8 +173,9 @@ RING_STAGES_MAX = 4  # PF 3: at most this many slots a warp (three chunks in fli
 
 
 def ring_slot_words(kbits: int, vbits: int) -> int:
-    """Words of one ring slot: a chunk's 16 code rows at the wider of the two widths, and 16 factor words."""
-    return 64 * max(kbits, vbits) + 16
+    """Words of one ring slot: a chunk's 8 two-row segments at the wider of the two widths (each with 4 spare words
+    against bank conflicts) and 16 factor words (kvarn_decode.h)."""
+    return 8 * (8 * max(kbits, vbits) + 4) + 16
 
 
 def kvarn_threadgroup_bytes(d: int, warps: int, ring_words: int) -> int:

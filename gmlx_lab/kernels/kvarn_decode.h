@@ -31,8 +31,8 @@ FN void load_codes16(P row, u32 g, THREAD u32* w) {
 }
 
 // The code words of four packed rows (each as load_codes16: codes 16g .. 16g+15) into w[0 .. 4 NW).
-template <int B, typename P>
-FN void load_rows4(P codes, int r0, int r1, int r2, int r3, u32 g, THREAD u32* w) {
+template <int B>
+FN void load_rows4(GLOBAL_CONST uint32_t* codes, int r0, int r1, int r2, int r3, u32 g, THREAD u32* w) {
   constexpr int NW = (B + 1) / 2;
   load_codes16<B>(codes + u32(r0) * u32(4 * B), g, w);
   load_codes16<B>(codes + u32(r1) * u32(4 * B), g, w + NW);
@@ -81,61 +81,77 @@ FN float pair_half(const THREAD u32* w, int i) { return (i & 1) ? pair_hi(w[i >>
 
 // ---- PF 3: a ring of chunks staged through threadgroup memory by asynchronous copies ----
 // A warp consumes its records' chunks in one order: per record, for each slice its 8 K chunks (16 channels),
-// then for each slice its 8 V chunks (16 tokens); chunk i of the warp's run is record u_begin + i / (16 S).
-// Each warp owns NST slots and keeps the next NST - 1 chunks in flight while it multiplies one, so more bytes
-// are on their way per warp without more registers (the copies land in threadgroup memory, not registers).
-// A slot: 16 code rows of B bits (4B words each), then 16 factor words. Slot row 4e + t holds the e-th of the
-// four rows lane quad t reads (load_rows4's r0 .. r3), so the four quads' rows are consecutive and the
-// 6-bit reads of one instruction fall in 32 different banks.
-//   K chunk ch: e-th row of quad t is channel 16 ch + 2t + (e & 1) + 8 (e >> 1); factor words j, 8 + j
-//               (j < 8) are the ks, kz pairs of channels 16 ch + 2j, +1 (quad t reads pairs t and t + 4).
-//   V chunk ch: e-th row of quad t is token 32t + 2ch + 16 (e & 1) + (e >> 1); factor words j, 8 + j are the
-//               vs, vz pairs of tokens x, x + 1 with x = 32 (j >> 1) + 2 ch + 16 (j & 1) (quad t: 2t, 2t + 1).
-FN int ring_row(bool v, int ch, int j) {
-  const int e = j >> 2, t = j & 3;
-  return v ? 32 * t + 2 * ch + 16 * (e & 1) + (e >> 1) : 16 * ch + 2 * t + (e & 1) + 8 * (e >> 1);
-}
+// then for each slice its 8 V chunks (16 tokens): chunk n = 8s + ch of K, 8S + 8s + ch of V. Each warp owns
+// NST slots and keeps the next NST - 1 chunks in flight while it multiplies one, so more bytes are on their
+// way without more registers. A chunk is 8 segments of two consecutive rows (B-bit codes, 4B words a row):
+//   K chunk ch: segment j holds channels 16 ch + 2j, +1 (lane quad t reads segments t and t + 4);
+//   V chunk ch: segment j holds tokens 16 j + 2 ch, +1 (quad t reads segments 2t and 2t + 1).
+// In a slot, segment j starts at word j * SEGW (SEGW = 8 BMAX + 4: the 4 spare words spread the V reads of
+// one instruction over all 32 banks), and 16 factor words follow at FOFF = 8 SEGW: for K words j and 8 + j
+// (j < 8) are the ks and kz pairs of channels 16 ch + 2j, +1; for V the vs and vz pairs of tokens
+// 32 (j >> 1) + 16 (j & 1) + 2 ch, +1. Lane (g, t) copies 16-byte pieces t, t + 4, ... of segment g.
 
-// Start the copies of one chunk (record slice rs, V or K, chunk ch) into `slot`, shared by the warp's lanes;
-// FOFF: where the slot's factor words begin.
-template <int B, int FOFF>
-FN void stage_chunk(GLOBAL_CONST uint32_t* codes, GLOBAL_CONST HALF* scale, GLOBAL_CONST HALF* zero, u32 rs, bool v,
-                    int ch, SHARED_PTR u32* slot, u32 lane) {
-  for (int p = int(lane); p < 16 * B; p += 32) {   // 16-byte pieces: piece k of slot row j
-    const int j = p / B, k = p % B;
-    async_copy16(slot + j * 4 * B + 4 * k, codes + (rs * 128u + u32(ring_row(v, ch, j))) * u32(4 * B) + u32(4 * k));
+// Start the copies of chunk n of the record whose first slice is record slice `unit` into `slot`.
+template <int KB, int VB, int S, int SEGW>
+FN void stage_chunk(GLOBAL_CONST uint32_t* kc, GLOBAL_CONST HALF* ks, GLOBAL_CONST HALF* kz, GLOBAL_CONST uint32_t* vc,
+                    GLOBAL_CONST HALF* vs, GLOBAL_CONST HALF* vz, u32 unit, int n, SHARED_PTR u32* slot, u32 g, u32 t) {
+  constexpr int FOFF = 8 * SEGW;
+  const bool v = n >= 8 * S;
+  const int ch = n % 8;
+  const u32 rs = unit + u32((n % (8 * S)) / 8);   // the record slice
+  if (v) {
+    GLOBAL_CONST uint32_t* row = vc + (rs * 128u + 16u * g + u32(2 * ch)) * u32(4 * VB);
+    UNROLL for (int m = 0; m < (2 * VB + 3) / 4; ++m) {
+      const int w = int(t) + 4 * m;   // piece w (4 words) of the segment's 8 VB words
+      if (w < 2 * VB) async_copy16(slot + g * SEGW + 4 * w, row + 4 * w);
+    }
+    if (g < 4u) {   // lanes 0 .. 15: word j = lane & 7 of vs (lanes 0 .. 7) or vz
+      const u32 lane = 4u * g + t, j = lane & 7u;
+      GLOBAL_CONST u32* f = (GLOBAL_CONST u32*)(lane < 8u ? vs : vz) + rs * 64u;
+      async_copy4(slot + FOFF + lane, f + 8u * j + u32(ch));
+    }
+  } else {
+    GLOBAL_CONST uint32_t* row = kc + (rs * 128u + u32(16 * ch) + 2u * g) * u32(4 * KB);
+    UNROLL for (int m = 0; m < (2 * KB + 3) / 4; ++m) {
+      const int w = int(t) + 4 * m;
+      if (w < 2 * KB) async_copy16(slot + g * SEGW + 4 * w, row + 4 * w);
+    }
+    if (g == 0u) {   // lanes 0 .. 3: the 8 ks words (lanes 0, 1), then the 8 kz words, 4 each
+      GLOBAL_CONST u32* f = (GLOBAL_CONST u32*)(t < 2u ? ks : kz) + rs * 64u;
+      async_copy16(slot + FOFF + 4u * t, f + u32(8 * ch) + 4u * (t & 1u));
+    }
   }
-  if (lane < 16u) {
-    const int j = int(lane & 7u);
-    GLOBAL_CONST u32* f = (GLOBAL_CONST u32*)(lane < 8u ? scale : zero) + rs * 64u;
-    const int pair = v ? 16 * (j >> 1) + ch + 8 * (j & 1) : 8 * ch + j;
-    async_copy4(slot + FOFF + int(lane), f + pair);
-  }
 }
 
-// Start chunk i of the warp's run into `slot`.
-template <int KB, int VB, int S, int FOFF>
-FN void stage_next(GLOBAL_CONST uint32_t* kc, GLOBAL_CONST HALF* ks, GLOBAL_CONST HALF* kz, GLOBAL_CONST uint32_t* vc,
-                   GLOBAL_CONST HALF* vs, GLOBAL_CONST HALF* vz, u32 bh, int R, int u_begin, int i,
-                   SHARED_PTR u32* slot, u32 lane) {
-  const int n = i % (16 * S);
-  const int s = (n % (8 * S)) / 8, ch = n % 8;
-  const u32 rs = (bh * u32(R) + u32(u_begin + i / (16 * S))) * u32(S) + u32(s);
-  if (n >= 8 * S) stage_chunk<VB, FOFF>(vc, vs, vz, rs, true, ch, slot, lane);
-  else stage_chunk<KB, FOFF>(kc, ks, kz, rs, false, ch, slot, lane);
-}
-
-// The slot of chunk `next` (then counted on), once every lane's copies into it have landed. First the chunk
-// NST - 1 further on starts into the slot the previous chunk was read from, once every lane is done reading it.
-template <int KB, int VB, int S, int FOFF, int NST, int SLOT>
+// The slot of chunk n of the record at record slice `unit` (the warp's current one), once every lane's copies
+// into it have landed. First the chunk NST - 1 further on (in this record or, when `more`, the next) starts
+// into the slot the previous chunk was read from, once every lane is done reading it. `pos`: this chunk's slot.
+template <int KB, int VB, int S, int NST, int SEGW>
 FN SHARED_PTR const u32* ring_advance(GLOBAL_CONST uint32_t* kc, GLOBAL_CONST HALF* ks, GLOBAL_CONST HALF* kz,
-                                      GLOBAL_CONST uint32_t* vc, GLOBAL_CONST HALF* vs, GLOBAL_CONST HALF* vz, u32 bh,
-                                      int R, int u_begin, int chunks, THREAD int& next, SHARED_PTR u32* ring, u32 lane) {
-  const int i = next + NST - 1;
+                                      GLOBAL_CONST uint32_t* vc, GLOBAL_CONST HALF* vs, GLOBAL_CONST HALF* vz,
+                                      u32 unit, bool more, int n, THREAD int& pos, SHARED_PTR u32* ring, u32 g, u32 t) {
+  constexpr int SLOT = 8 * SEGW + 16;
+  const int ahead = n + NST - 1;
+  const bool wraps = ahead >= 16 * S;   // NST - 1 < 16: at most into the next record
   WARP_BARRIER();
-  if (i < chunks) stage_next<KB, VB, S, FOFF>(kc, ks, kz, vc, vs, vz, bh, R, u_begin, i, ring + (i % NST) * SLOT, lane);
+  if (!wraps || more)
+    stage_chunk<KB, VB, S, SEGW>(kc, ks, kz, vc, vs, vz, unit + (wraps ? u32(S) : 0u), wraps ? ahead - 16 * S : ahead,
+                                 ring + (pos == 0 ? NST - 1 : pos - 1) * SLOT, g, t);
   async_commit();
-  async_wait<NST - 1>();   // all but the newest NST - 1 groups (chunks next + 1 ..): chunk `next` has landed
+  async_wait<NST - 1>();   // all but the newest NST - 1 groups (the chunks after this one): this one has landed
   WARP_BARRIER();
-  return ring + (next++ % NST) * SLOT;
+  SHARED_PTR const u32* slot = ring + pos * SLOT;
+  pos = pos + 1 == NST ? 0 : pos + 1;
+  return slot;
+}
+
+// The code words of four rows of a slot, each (segment, row in it), as load_rows4 reads rows of a record.
+template <int B, int SEGW>
+FN void slot_rows4(SHARED_PTR const u32* slot, int s0, int r0, int s1, int r1, int s2, int r2, int s3, int r3, u32 g,
+                   THREAD u32* w) {
+  constexpr int NW = (B + 1) / 2;
+  load_codes16<B>(slot + s0 * SEGW + r0 * 4 * B, g, w);
+  load_codes16<B>(slot + s1 * SEGW + r1 * 4 * B, g, w + NW);
+  load_codes16<B>(slot + s2 * SEGW + r2 * 4 * B, g, w + 2 * NW);
+  load_codes16<B>(slot + s3 * SEGW + r3 * 4 * B, g, w + 3 * NW);
 }
