@@ -176,6 +176,8 @@ def main() -> None:
               "mlx": mx.__version__, "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "query_tokens": 1},
               "method": f"median of {args.repeats} timings, each {args.iters} calls built, then run in one mx.eval, "
                         "after warm-up; us = the eval, build_us = graph building before it",
+              "kernel_settings": {"kvarn_prefetch_default": default_prefetch,
+                                  "kvarn_min_blocks": fused.kvarn_min_blocks},
               "note": args.note, "rows": rows, "seal": seal}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -454,7 +454,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model: nn.Mod
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine(), "seconds": round(seconds, 1),
         "kernel_settings": {"compile_graphs": build.compile_graphs, "merge_in_kernel": fused.merge_in_kernel,
-                            "kvarn_prefetch": fused.kvarn_prefetch},
+                            "kvarn_prefetch": fused.kvarn_prefetch, "kvarn_min_blocks": fused.kvarn_min_blocks},
         "tokens": "eval_text.txt, model tokenizer" if source == "text" else f"random ids, seed {args.seed}",
         "method": __doc__.split("\n\n", 2)[2].split("\nSchemes:")[0].strip(),
         "rows": rows,

@@ -337,6 +337,28 @@ def test_prefetch_level_is_checked() -> None:
         decode.prefetch_level("yes")
 
 
+def test_min_blocks_is_checked() -> None:
+    assert [decode.min_blocks(x) for x in ("3", "4")] == [3, 4]
+    with pytest.raises(ValueError, match="GMLX_KVARN_MIN_BLOCKS='8'; accepted: 3, 4"):
+        decode.min_blocks("8")
+
+
+def test_launch_bounds_reach_the_cuda_header_and_name_only() -> None:
+    """kvarn_decode's CUDA header defines its launch bounds (and the name MLX caches it by carries them); the Metal
+    header and the other kernels know nothing of them."""
+    defines = build.CUDA_DEFINES["kvarn_decode"]
+    assert defines == {"KVARN_THREADS": 32 * decode.KVARN_WARPS, "KVARN_MIN_BLOCKS": decode.kvarn_min_blocks}
+    header, _ = assemble("kvarn_decode", "cuda")
+    assert header.startswith(f"#define KVARN_THREADS 128\n#define KVARN_MIN_BLOCKS {decode.kvarn_min_blocks}\n")
+    assert "__launch_bounds__(KVARN_THREADS, KVARN_MIN_BLOCKS)" in header
+    blocks = decode.kvarn_min_blocks
+    assert build.cuda_name("kvarn_decode") == f"gmlx_kvarn_decode_kvarn_threads128_kvarn_min_blocks{blocks}"
+    assert "#define KVARN_MIN_BLOCKS" not in assemble("kvarn_decode", "metal")[0]
+    assert build.cuda_name("affine_decode") == "gmlx_affine_decode"
+    assert not assemble("affine_decode", "cuda")[0].startswith("#define")
+    assert decode.TARGET_WARPS == 132 * decode.KVARN_WARPS * decode.kvarn_min_blocks
+
+
 @pytest.mark.parametrize("d, kb, vb, backend, stages", [
     (128, 6, 6, "cuda", 3), (128, 4, 4, "cuda", 4), (128, 8, 8, "cuda", 2), (256, 6, 6, "cuda", 2),
     (512, 8, 2, "cuda", 0), (128, 4, 4, "metal", 0)])

@@ -91,6 +91,16 @@ def kernel_backend() -> str:
     return backend
 
 
+# Preprocessor constants that a kernel's CUDA header starts with, by kernel (decode.py sets kvarn_decode's launch
+# bounds). They join the kernel's name, so that MLX never reuses a kernel compiled with other values.
+CUDA_DEFINES: dict[str, dict[str, int]] = {}
+
+
+def cuda_name(name: str) -> str:
+    """The name MLX gets for kernel `name` on CUDA: gmlx_<name>, then each of its CUDA_DEFINES."""
+    return f"gmlx_{name}" + "".join(f"_{k.lower()}{v}" for k, v in CUDA_DEFINES.get(name, {}).items())
+
+
 def read(name: str) -> str:
     """The text of one file of this folder."""
     return (HERE / name).read_text()
@@ -100,7 +110,9 @@ def assemble(name: str, backend: str) -> tuple[str, str]:
     """(header, source) of kernel `name` for `backend`: prelude + common helpers (+ `<name>.h`), index lines + body."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not supported; accepted: {', '.join(BACKENDS)}")
-    header = read(f"prelude_{backend}.h") + "\n" + read("common.h")
+    defines = CUDA_DEFINES.get(name, {}) if backend == "cuda" else {}
+    header = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    header += read(f"prelude_{backend}.h") + "\n" + read("common.h")
     if (HERE / f"{name}.h").exists():  # the kernel's own helper functions
         header += "\n" + read(f"{name}.h")
     return header, INDICES[backend] + read(f"{name}.body")
@@ -178,7 +190,7 @@ def metal_device_inputs(inputs: dict[str, mx.array]) -> dict[str, mx.array]:
 def _kernel(name: str, backend: str, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Any:
     header, source = (compact(text) for text in assemble(name, backend))
     if backend == "cuda":
-        return mx.fast.cuda_kernel(name=f"gmlx_{name}", input_names=list(inputs), output_names=list(outputs),
+        return mx.fast.cuda_kernel(name=cuda_name(name), input_names=list(inputs), output_names=list(outputs),
                                    source=source, header=header, ensure_row_contiguous=True)
     return mx.fast.metal_kernel(name=f"gmlx_{name}", input_names=list(inputs), output_names=list(outputs),
                                 source=source, header=header, ensure_row_contiguous=True)

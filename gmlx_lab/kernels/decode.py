@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from ..records import KvarnParts, Records, unpack_rows
-from .build import kernel_backend, launch, run_graph
+from .build import CUDA_DEFINES, kernel_backend, launch, run_graph
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
@@ -156,9 +156,25 @@ KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16
 KVARN_PROW = 132  # floats per row of kvarn_decode's weights and outputs tiles (128 and 4 against bank conflicts)
 KVARN_HEAD_DIMS = (128, 256, 512)  # the fused kernel's head dims: whole 128-channel slices, a power of two
 # (512 is also Metal's limit: past it the queries and one slice's outputs fill a threadgroup's 32 KB)
-# One wave of warps on an H200: 132 multiprocessors x 3 threadgroups of 4 warps (the kernel's 158 registers
-# per thread allow 3); more would leave a second, mostly idle wave.
-TARGET_WARPS = 132 * 12
+# CUDA: the threadgroups of kvarn_decode that one multiprocessor must hold at once (__launch_bounds__, so ptxas
+# keeps a thread's registers to 65536 / (128 x this)): 3 (168 registers, no spills) or 4 (128 registers, 88 bytes
+# spilled; tools/compile_cuda.py). Fewer registers, more warps to hide each warp's waits on memory.
+MIN_BLOCKS_ENV = "GMLX_KVARN_MIN_BLOCKS"
+MIN_BLOCKS_CHOICES = (3, 4)
+
+
+def min_blocks(text: str) -> int:
+    """kvarn_decode's threadgroups a multiprocessor from its text (GMLX_KVARN_MIN_BLOCKS), with a clear error."""
+    if text.strip() not in {str(n) for n in MIN_BLOCKS_CHOICES}:
+        raise ValueError(f"{MIN_BLOCKS_ENV}={text!r}; accepted: {', '.join(map(str, MIN_BLOCKS_CHOICES))}")
+    return int(text)
+
+
+kvarn_min_blocks = min_blocks(os.environ.get(MIN_BLOCKS_ENV, "3"))
+CUDA_DEFINES["kvarn_decode"] = {"KVARN_THREADS": 32 * KVARN_WARPS, "KVARN_MIN_BLOCKS": kvarn_min_blocks}
+# One wave of warps on an H200: 132 multiprocessors x kvarn_min_blocks threadgroups of 4 warps; more would leave
+# a second, mostly idle wave.
+TARGET_WARPS = 132 * KVARN_WARPS * kvarn_min_blocks
 
 
 def kvarn_warps(d: int) -> int:

@@ -1,4 +1,11 @@
 // Helpers of kvarn_decode.body: tensor-core fragments built straight from packed codes.
+
+// CUDA: the kernel MLX declares after this header gets launch bounds (at most KVARN_THREADS threads a block, at
+// least KVARN_MIN_BLOCKS blocks a multiprocessor; decode.py defines both), which cap its registers a thread.
+#if defined(GMLX_CUDA) && defined(KVARN_MIN_BLOCKS)
+#undef __global__
+#define __global__ __attribute__((global)) __launch_bounds__(KVARN_THREADS, KVARN_MIN_BLOCKS)
+#endif
 //
 // One warp multiplies a 16x16 float16 tile A by a 16x8 float16 tile B into 16x8 float32 accumulators
 // C with `mma16816` (the prelude's; PTX mma.m16n8k16 on CUDA). Each lane holds fixed fragment
