@@ -33,8 +33,10 @@ merge_in_kernel = os.environ.get(MERGE_ENV, "0") == "1"
 # into registers), 3 the next chunks' code words and scale / zero factors into a ring in threadgroup memory by
 # asynchronous copies (CUDA's cp.async; ring_stages says how deep, and where it does not fit level 0 runs).
 # 0 is the default: alone on the H200 (benchmarks/results/decode_attention-prefetch-h200.json, commit cbb3add) kvarn6
-# took 46.9 / 141.7 µs a call at 32K / 128K with 0, 54.0 / 154.0 with 1 and 53.0 / 148.9 with 2 (more registers
-# a thread, fewer warps to hide the loads); kvarn4 45.6 / 133.2, 44.8 / 129.3 and 49.0 / 141.4.
+# took 46.9 / 141.7 µs a call at 32K / 128K with 0, 54.0 / 154.0 with 1 and 53.0 / 148.9 with 2 (204 registers a
+# thread against 168, so fewer warps); kvarn4 45.6 / 133.2, 44.8 / 129.3 and 49.0 / 141.4. The ring (3) was 7-11%
+# faster than 0 at 128K in three runs but not reliably at 32K, and whole-model runs did not separate the two
+# (decode_attention-ring-h200.json, -minblocks3-, model_decode-h200.json; README).
 PREFETCH_ENV = "GMLX_KVARN_PREFETCH"
 PREFETCH_LEVELS = (0, 1, 2, 3)
 RING_LEVEL = 3  # the level that stages through the ring
