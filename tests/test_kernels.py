@@ -332,9 +332,17 @@ def test_kvarn_kernel_equals_emulation_at_every_prefetch_level(case: tuple[int, 
 
 
 def test_prefetch_level_is_checked() -> None:
-    assert [decode.prefetch_level(x) for x in ("0", "1", "2", "3")] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="GMLX_KVARN_PREFETCH='yes'; accepted: 0, 1, 2, 3"):
+    assert [decode.prefetch_level(x) for x in ("auto", "0", "1", "2", "3")] == ["auto", 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="GMLX_KVARN_PREFETCH='yes'; accepted: auto, 0, 1, 2, 3"):
         decode.prefetch_level("yes")
+
+
+def test_auto_prefetch_takes_the_ring_from_long_contexts_on() -> None:
+    """"auto": level 0 below RING_MIN_RECORDS records a head, the ring from there; a set level everywhere."""
+    n = decode.RING_MIN_RECORDS
+    ring = decode.RING_LEVEL
+    assert [decode.prefetch_for(r, "auto") for r in (1, n - 1, n, 4 * n)] == [0, 0, ring, ring]
+    assert [decode.prefetch_for(r, 2) for r in (1, 4 * n)] == [2, 2]
 
 
 def test_min_blocks_is_checked() -> None:

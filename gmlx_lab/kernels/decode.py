@@ -32,24 +32,37 @@ merge_in_kernel = os.environ.get(MERGE_ENV, "0") == "1"
 # before they are multiplied), 1 the next chunk's code words, 2 those and a slice's token / channel factors (both
 # into registers), 3 the next chunks' code words and scale / zero factors into a ring in threadgroup memory by
 # asynchronous copies (CUDA's cp.async; ring_stages says how deep, and where it does not fit level 0 runs).
-# 0 is the default: alone on the H200 (benchmarks/results/decode_attention-prefetch-h200.json, commit cbb3add) kvarn6
-# took 46.9 / 141.7 µs a call at 32K / 128K with 0, 54.0 / 154.0 with 1 and 53.0 / 148.9 with 2 (204 registers a
-# thread against 168, so fewer warps); kvarn4 45.6 / 133.2, 44.8 / 129.3 and 49.0 / 141.4. The ring (3) was 7-11%
-# faster than 0 at 128K in three runs but not reliably at 32K, and whole-model runs did not separate the two
-# (decode_attention-ring-h200.json, -minblocks3-, model_decode-h200.json; README).
+# Alone on the H200 (benchmarks/results/decode_attention-prefetch-h200.json, commit cbb3add) kvarn6 took 46.9 / 141.7
+# µs a call at 32K / 128K with 0, 54.0 / 154.0 with 1 and 53.0 / 148.9 with 2 (204 registers a thread against 168, so
+# fewer warps); kvarn4 45.6 / 133.2, 44.8 / 129.3 and 49.0 / 141.4. The ring (3) was 7-11% faster than 0 at 128K
+# (1015 records a head) in all three runs and in 3 of 4 whole-model comparisons; at 32K (247 records) it was faster
+# in half the pairs alone and within the noise in the model (decode_attention-ring-h200.json, -minblocks3-,
+# -minblocks4-, model_decode-h200.json; README). So the default, "auto", runs the ring from RING_MIN_RECORDS records
+# a head on and level 0 below; GMLX_KVARN_PREFETCH=N runs level N everywhere.
 PREFETCH_ENV = "GMLX_KVARN_PREFETCH"
 PREFETCH_LEVELS = (0, 1, 2, 3)
+PREFETCH_AUTO = "auto"
 RING_LEVEL = 3  # the level that stages through the ring
+RING_MIN_RECORDS = 512  # auto: the ring from here on (64K tokens; between the measured 247, no gain, and 1015, gain)
 
 
-def prefetch_level(text: str) -> int:
-    """A prefetch level from its text (GMLX_KVARN_PREFETCH), with a clear error for anything else."""
-    if text.strip() not in {str(level) for level in PREFETCH_LEVELS}:
-        raise ValueError(f"{PREFETCH_ENV}={text!r}; accepted: {', '.join(map(str, PREFETCH_LEVELS))}")
-    return int(text)
+def prefetch_level(text: str) -> int | str:
+    """A prefetch level from its text (GMLX_KVARN_PREFETCH): "auto" or a level, with a clear error for anything else."""
+    accepted = [PREFETCH_AUTO, *map(str, PREFETCH_LEVELS)]
+    if text.strip() not in accepted:
+        raise ValueError(f"{PREFETCH_ENV}={text!r}; accepted: {', '.join(accepted)}")
+    return PREFETCH_AUTO if text.strip() == PREFETCH_AUTO else int(text)
 
 
-kvarn_prefetch = prefetch_level(os.environ.get(PREFETCH_ENV, "0"))
+def prefetch_for(records: int, setting: int | str) -> int:
+    """The level kvarn_decode runs at over `records` records a head: `setting` when it is a level; "auto": the
+    ring from RING_MIN_RECORDS records on, level 0 below."""
+    if setting != PREFETCH_AUTO:
+        return int(setting)
+    return RING_LEVEL if records >= RING_MIN_RECORDS else 0
+
+
+kvarn_prefetch = prefetch_level(os.environ.get(PREFETCH_ENV, PREFETCH_AUTO))
 PARAM_ROWS = 256  # parameter rows made at once for a count that moves every step (step_params)
 
 
@@ -243,7 +256,7 @@ class KvarnPlan(NamedTuple):
     kbits: int
     vbits: int
     merge: bool  # the kernel merges its own splits (kernel_merges)
-    prefetch: int  # what the kernel loads ahead of its products (kvarn_prefetch, PREFETCH_LEVELS)
+    prefetch: int  # what the kernel loads ahead of its products (prefetch_for, PREFETCH_LEVELS)
     stages: int  # slots a warp of the PF 3 ring (ring_stages); 1 at the other levels
 
 
@@ -283,7 +296,7 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     r, s = kbody.codes.shape[2:4]
     fp16_units = kvarn_units(r, parts.recent_tokens)[1]
     return _kvarn_plan(nq, bh, r, s, parts.sink.k.shape[2], fp16_units, length, causal, kbody.bits, vbody.bits,
-                       per_warp, kvarn_warps(d), kernel_merges(), kvarn_prefetch, kernel_backend())
+                       per_warp, kvarn_warps(d), kernel_merges(), prefetch_for(r, kvarn_prefetch), kernel_backend())
 
 
 @lru_cache(maxsize=256)
