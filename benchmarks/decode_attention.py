@@ -61,8 +61,27 @@ IMPLS = ("fp16_sdpa", "mlx_lm_affine8", "mlx_lm_affine4", "fused_affine8", "fuse
 DEFAULT_IMPLS = IMPLS[:7]  # the _prefetch rows: kvarn_decode at each decode.kvarn_prefetch level, side by side
 
 
-def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS) -> list[dict]:
-    """The chosen implementations (fp16 SDPA always: the ratios need it) at one context length."""
+def copies_for(read: int, cold_bytes: int) -> int:
+    """How many copies of one call's state to cycle through so that together they hold at least `cold_bytes`
+    (1 when cold_bytes is 0): one layer's cache smaller than the GPU's L2 is otherwise read from L2 call after
+    call, where a model's layers each come from DRAM."""
+    return max(1, -(-cold_bytes // read)) if cold_bytes else 1
+
+
+def cycling(calls: list[Callable[[], mx.array]]) -> Callable[[], mx.array]:
+    """One call that runs calls[0], calls[1], ... in turn, one per call."""
+    turn = [0]
+
+    def call() -> mx.array:
+        turn[0] += 1
+        return calls[turn[0] % len(calls)]()
+    return call
+
+
+def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS, cold_bytes: int = 0
+                  ) -> list[dict]:
+    """The chosen implementations (fp16 SDPA always: the ratios need it) at one context length. With
+    `cold_bytes`, each one cycles through copies of its cache that together hold that many bytes (copies_for)."""
     mx.random.seed(tokens)
     k = mx.random.normal((1, HKV, tokens, D)).astype(mx.float16)
     v = mx.random.normal((1, HKV, tokens, D)).astype(mx.float16)
@@ -71,47 +90,58 @@ def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] 
     mx.eval(k, v, q)
     rows = []
 
-    def add(impl: str, fn: Callable[[], mx.array], read: int, **extra: object) -> None:
+    def add(impl: str, make: Callable[[], tuple[Callable[[], mx.array], int, dict]]) -> None:
+        """Time `impl`: make() builds one copy of its state and returns (call, bytes read a call, extra fields)."""
         if impl not in impls and impl != "fp16_sdpa":
             return
+        fn, read, extra = make()
+        n = copies_for(read, cold_bytes)
+        if n > 1:
+            fn = cycling([fn] + [make()[0] for _ in range(n - 1)])
         us, build = timed(fn, iters, repeats)
         rows.append({"impl": impl, "context": tokens, "us": round(us, 2), "build_us": round(build, 2),
-                     "cache_bytes": read, "gb_per_s": round(read / us / 1e3, 1), **extra})
-        print(f"{impl:16s} {tokens:7d} {us:9.1f} us (+{build:5.1f} us graph)  {read / us / 1e3:7.1f} GB/s",
-              flush=True)
+                     "cache_bytes": read, "gb_per_s": round(read / us / 1e3, 1), "copies": n, **extra})
+        print(f"{impl:16s} {tokens:7d} {us:9.1f} us (+{build:5.1f} us graph)  {read / us / 1e3:7.1f} GB/s"
+              f"  ({n} {'copies' if n > 1 else 'copy'})", flush=True)
 
-    add("fp16_sdpa", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), nbytes(k, v))
-    for bits in (b for b in (8, 4) if f"mlx_lm_affine{b}" in impls):
+    def sdpa() -> tuple[Callable[[], mx.array], int, dict]:
+        kc, vc = k + 0, v + 0  # buffers of their own
+        mx.eval(kc, vc)
+        return lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=scale), nbytes(kc, vc), {}
+
+    def mlx_lm_affine(bits: int) -> tuple[Callable[[], mx.array], int, dict]:
         qk = mx.quantize(k, group_size=64, bits=bits)
         qv = mx.quantize(v, group_size=64, bits=bits)
         mx.eval(qk, qv)
-        add(f"mlx_lm_affine{bits}", lambda qk=qk, qv=qv, bits=bits: quantized_scaled_dot_product_attention(
-            q, qk, qv, scale=scale, mask=None, group_size=64, bits=bits), nbytes(*qk, *qv))
-        del qk, qv
-    for bits in (b for b in (8, 4) if f"fused_affine{b}" in impls):
+        return (lambda: quantized_scaled_dot_product_attention(q, qk, qv, scale=scale, mask=None, group_size=64,
+                                                               bits=bits), nbytes(*qk, *qv), {})
+
+    def fused_affine(bits: int) -> tuple[Callable[[], mx.array], int, dict]:
         c = AffineCache(bits, 64)
         kk, vv = c.update_and_fetch(k, v)
         c.attention_path = "fused"
         mx.eval(c.state[:2])
-        read = c.nbytes - c.regions()["reserve"]
-        add(f"fused_affine{bits}", lambda c=c, kk=kk, vv=vv: c.attend(q, kk, vv, scale, None), read)
-        del c, kk, vv
-    kvarn = [(b, None) for b in (6, 4) if f"fused_kvarn{b}" in impls]
-    kvarn += [(b, level) for b in (6, 4) for level in fused.PREFETCH_LEVELS
-              if f"fused_kvarn{b}_prefetch{level}" in impls]
-    for bits, level in kvarn:
-        prefetch = default_prefetch if level is None else level
-        fused.kvarn_prefetch = prefetch  # the plan, and so the compiled graph, carries it
+        return lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"], {}
+
+    def fused_kvarn(bits: int) -> tuple[Callable[[], mx.array], int, dict]:
         c = KVarNCache(bits, bits, kv_tail_tokens=1024)
         c.update_and_fetch(k, v)
         c.seal()  # what the next token would seal: the steady state of a decode step
         c.attention_path = "fused"
         kk, vv = c.fetch(q.dtype, decode_step=True)  # (a graph the fused path never evaluates)
         mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.body])
-        read = c.nbytes - c.regions()["reserve"]
-        add(f"fused_kvarn{bits}{'' if level is None else f'_prefetch{level}'}",
-            lambda c=c, kk=kk, vv=vv: c.attend(q, kk, vv, scale, None), read, records=c.n_records)
-        del c, kk, vv
+        return (lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"],
+                {"records": c.n_records})
+
+    add("fp16_sdpa", sdpa)
+    for bits in (8, 4):
+        add(f"mlx_lm_affine{bits}", lambda bits=bits: mlx_lm_affine(bits))
+    for bits in (8, 4):
+        add(f"fused_affine{bits}", lambda bits=bits: fused_affine(bits))
+    kvarn = [(b, None) for b in (6, 4)] + [(b, level) for b in (6, 4) for level in fused.PREFETCH_LEVELS]
+    for bits, level in kvarn:
+        fused.kvarn_prefetch = default_prefetch if level is None else level  # the plan (the graph's key) carries it
+        add(f"fused_kvarn{bits}{'' if level is None else f'_prefetch{level}'}", lambda bits=bits: fused_kvarn(bits))
     fused.kvarn_prefetch = default_prefetch
     base = next(r["us"] for r in rows if r["impl"] == "fp16_sdpa")
     for r in rows:
@@ -158,12 +188,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS), help="fp16_sdpa always runs")
     ap.add_argument("--skip-seal", action="store_true", help="do not time sealing")
+    ap.add_argument("--cold-mb", type=int, default=0,
+                    help="cycle through copies of each cache holding this many MB in all (more than the GPU's L2, "
+                         "e.g. 200 on an H200: 50 MB), as a model's layers come from DRAM; 0: one copy")
     ap.add_argument("--note", default="", help="stored in the JSON (e.g. which kernel version ran)")
     ap.add_argument("--out", default="benchmarks/results/decode_attention-h200.json")
     args = ap.parse_args()
     if active_backend() == "cpu":
         raise SystemExit("decode_attention.py measures the GPU kernels; MLX runs on the CPU here")
-    rows = [r for t in args.contexts for r in bench_context(t, args.iters, args.repeats, tuple(args.impls))]
+    rows = [r for t in args.contexts
+            for r in bench_context(t, args.iters, args.repeats, tuple(args.impls), args.cold_mb * 10**6)]
     seal = None if args.skip_seal else bench_seal(args.iters, args.repeats)
     kv6 = [r["us"] for r in rows if r["impl"] == "fused_kvarn6"]
     if seal and kv6:
@@ -175,7 +209,9 @@ def main() -> None:
     result = {"device": str(device.get("device_name", platform.node())), "backend": active_backend(),
               "mlx": mx.__version__, "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "query_tokens": 1},
               "method": f"median of {args.repeats} timings, each {args.iters} calls built, then run in one mx.eval, "
-                        "after warm-up; us = the eval, build_us = graph building before it",
+                        "after warm-up; us = the eval, build_us = graph building before it; each call reads the "
+                        "next of `copies` copies of its cache (--cold-mb)",
+              "cold_mb": args.cold_mb,
               "kernel_settings": {"kvarn_prefetch_default": default_prefetch,
                                   "kvarn_min_blocks": fused.kvarn_min_blocks},
               "note": args.note, "rows": rows, "seal": seal}
