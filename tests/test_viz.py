@@ -127,3 +127,11 @@ def test_kv_explorer_opens_on_the_strongest_outlier_layer() -> None:
     layer = widgets.kv_explorer(cap).children[0].children[0]
     assert layer.value == 1
     assert widgets.kv_explorer(cap, layer=2).children[0].children[0].value == 2
+
+
+def test_say_renders_markdown_from_values_and_refuses_empty_text() -> None:
+    kl = 0.0137
+    out = viz.say(f"kvarn2's KL is {viz.num(kl)}.", "Second paragraph.")
+    assert out._repr_markdown_() == "kvarn2's KL is 0.0137.\n\nSecond paragraph."
+    with pytest.raises(ValueError, match="non-empty"):
+        viz.say("  ")

@@ -55,6 +55,7 @@ from .quant import (
     quant_error,
     record_of,
 )
+from .say import Say, say
 from .sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from .sources import (
     GMLX_KL_TABLE,
@@ -79,6 +80,7 @@ __all__ = [
     "scheme_colors", "sink_layers_figure", "sink_mass_figure", "source", "table_html", "trace_styles",
     "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
+__all__ += ["Say", "say"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 
