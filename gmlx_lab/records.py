@@ -189,6 +189,11 @@ class Records:
         """These records without the first `n` along the record axis (2) of a cache body (a rolling window)."""
         return Records(*(mx.contiguous(a[:, :, n:]) for a in self.arrays), bits=self.bits, kind=self.kind)
 
+    def drop_last(self, n: int) -> Records:
+        """These records without the last `n` along the record axis (2) of a cache body (a trim)."""
+        return Records(*(mx.contiguous(a[:, :, :a.shape[2] - n]) for a in self.arrays), bits=self.bits,
+                       kind=self.kind)
+
     def take(self, index: tuple) -> Records:
         """The records at `index` of every field (e.g. one head's record), without the imbalances."""
         return replace(self, codes=self.codes[index], scale_axis=self.scale_axis[index],
