@@ -511,7 +511,7 @@ def single_layer_policy(model: nn.Module, spec: str | tuple[str, dict[str, Any]]
         raise ValueError(f"layer {layer} cannot use {scheme}: {target.reason}")
     layers = [replace(d, decision=scheme, reason="sensitivity probe: only this layer quantized")
               if d.index == layer else replace(d, decision=BASELINE, reason="sensitivity probe") for d in base.layers]
-    return Policy(model, base.name, scheme, base.options, layers)
+    return Policy(model, base.name, scheme, base.options, layers, environment=base.environment)
 
 
 def layer_sensitivity(model: nn.Module, tokenizer: Any, text_or_tokens: str | Sequence[int] | mx.array,

@@ -100,8 +100,14 @@ class Scheme:
         return values
 
     def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-        """Rules between options (kvarn: K/V widths from `bits` or the environment); by default none."""
+        """Rules between options (kvarn: K/V widths from `bits`, or the environment where no width is given);
+        by default none."""
         return values
+
+    def environment(self, given: dict[str, Any]) -> str:
+        """What the environment chose for these options, in words ('' for nothing: the default). Explicit options
+        always beat the environment (kvarn: GMLX_KVARN_BITS sets the widths that are not given)."""
+        return ""
 
     def check(self, where: str, **values: Any) -> None:
         """Check option values given to a cache constructor (no defaults, no environment), naming `where`."""

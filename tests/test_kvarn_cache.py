@@ -244,17 +244,33 @@ def test_kvarn_errors_name_the_layer():
         KVarNCache(6, 6, kv_tail_tokens=-1)
 
 
-def test_env_override_of_widths(monkeypatch):
+def test_the_environment_sets_the_widths_not_given(monkeypatch):
+    """GMLX_KVARN_BITS sets the K/V widths where no width is given; an explicit width always beats it."""
     kvarn = get_scheme("kvarn")
-    assert kvarn.resolve()["k_bits"] == 6
+    widths = lambda **given: (kvarn.resolve(**given)["k_bits"], kvarn.resolve(**given)["v_bits"])  # noqa: E731
+    assert widths() == (6, 6) and kvarn.environment({}) == ""
     monkeypatch.setenv("GMLX_KVARN_BITS", "k6v5")
-    assert (kvarn.resolve(bits=4)["k_bits"], kvarn.resolve(bits=4)["v_bits"]) == (6, 5)
+    assert widths() == (6, 5) and kvarn.environment({}) == "K and V widths from GMLX_KVARN_BITS=k6v5"
+    assert widths(bits=4) == (4, 4) and kvarn.environment({"bits": 4}) == ""
+    assert widths(k_bits=8) == (8, 5) and kvarn.environment({"k_bits": 8}) == "V width from GMLX_KVARN_BITS=k6v5"
+    assert widths(k_bits=8, v_bits=3) == (8, 3) and kvarn.environment({"k_bits": 8, "v_bits": 3}) == ""
     monkeypatch.setenv("GMLX_KVARN_BITS", "3")
-    assert kvarn.resolve()["v_bits"] == 3
+    assert widths() == (3, 3)
     for bad in ("k6", "six", "k6v7", "v5k6"):
         monkeypatch.setenv("GMLX_KVARN_BITS", bad)
         with pytest.raises(ValueError, match="GMLX_KVARN_BITS"):
             kvarn.resolve()
+
+
+def test_the_kv_line_says_when_the_environment_chose(monkeypatch, model):
+    import gmlx_lab
+
+    monkeypatch.setenv("GMLX_KVARN_BITS", "k8v4")
+    chosen = gmlx_lab.policy(model, "kvarn")
+    assert chosen.label.startswith("kvarn k8v4") and "; K and V widths from GMLX_KVARN_BITS=k8v4" in str(chosen)
+    assert chosen.as_dict()["environment"] == "K and V widths from GMLX_KVARN_BITS=k8v4"
+    explicit = gmlx_lab.policy(model, "kvarn", bits=6)
+    assert explicit.label.startswith("kvarn6") and "GMLX_KVARN_BITS" not in str(explicit)
 
 
 @pytest.mark.parametrize("dim", [64, 96])
