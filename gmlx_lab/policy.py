@@ -39,6 +39,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from . import window
 from .cache import GmlxCache
+from .kernels import config as kernel_config
 from .kernels import selfcheck
 from .registry import BASELINE, Scheme, get_scheme
 
@@ -258,9 +259,12 @@ class Policy:
         return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._notes()}"
 
     def _notes(self) -> str:
-        """What the [kv] line adds: what the environment chose, the rolling window, the overrides, and kernels
-        that failed their self-check."""
+        """What the [kv] line adds: what the environment chose (scheme widths, kernel settings: kernels/config.py),
+        the rolling window, the overrides, and kernels that failed their self-check."""
         notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
+        chosen = kernel_config.environment_choices()
+        if chosen and self.quantized:
+            notes.append(f"kernel settings from the environment: {', '.join(sorted(chosen.values()))}")
         said: dict[str, list[int]] = {}  # overrides not among the fp16 reasons already (quantized, not attention)
         for d in self.layers:
             if OVERRIDE in d.reason and not (d.grows and d.decision == BASELINE):
