@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from gmlx_lab.cli import eval_prompts, load_model
-from gmlx_lab.experiments import (
+from gmlx_lab.kv_inspect import EVAL_TEXT
+from gmlx_lab.measure.experiments import (
     draft_acceptance,
     layer_skip_draft,
     passkey,
     weights_and_kv,
 )
-from gmlx_lab.kv_inspect import EVAL_TEXT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -72,7 +72,7 @@ METHODS = {
     "passkey_own_prefill": ("As passkey, but each scheme prefills the context through its own cache (one chunk of "
                             "up to 2048 tokens), so affine's deeper layers also see its error during the prefill."),
     "draft": ("Greedy speculative decoding with mlx-lm's speculative_generate_step. The draft is the target's own "
-              "embedding, first N layers and final norm/head (gmlx_lab.experiments.layer_skip_draft: shared "
+              "embedding, first N layers and final norm/head (gmlx_lab.measure.experiments.layer_skip_draft: shared "
               "weights, no training) with an fp16 cache; N = all layers is the target itself with an fp16 cache, "
               "so its acceptance is the share of steps where the quantized-cache target agrees with fp16. Prompts "
               "from the bundled evaluation text. acceptance = accepted / drafted; tokens per step = tokens / "

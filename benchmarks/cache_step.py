@@ -31,9 +31,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from model_decode import MLX_LM_SCHEMES, device_name, git_commit
 
 from gmlx_lab.cache import attention
-from gmlx_lab.fidelity import parse_scheme_spec
 from gmlx_lab.kernels import active_backend
 from gmlx_lab.registry import get_scheme
+from gmlx_lab.specs import parse_scheme_spec
 
 CHUNK = 2048  # prefill chunk, as model_decode.py
 

@@ -8,7 +8,7 @@
     python benchmarks/fidelity_sweep.py --model gemma3-270m --sweeps none --layer-schemes "" --prefill 1024 \\
         --decode 64 --schemes affine4,kvarn4:tail=128 --policies "default;last;last+sliding"
 
-Sweeps (gmlx_lab.fidelity.SWEEPS): widths (fp16, affine 2-8, kvarn 2-8 at tails 0 and
+Sweeps (gmlx_lab.measure.fidelity.SWEEPS): widths (fp16, affine 2-8, kvarn 2-8 at tails 0 and
 128), tails, split (kvarn k8v4 vs k4v8), ladder (affine -> affine_rot -> kvarn at equal
 width); --layer-schemes adds one-layer-at-a-time sensitivity runs. Every run shares
 one fp16 reference. --policies runs every scheme under each listed policy: "default" (gmlx's rule) or
@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
-from gmlx_lab.fidelity import SWEEPS, FidelityResult, fidelity, scheme_label, single_layer_policy
-from gmlx_lab.fidelity import parse_scheme_spec as parse
+from gmlx_lab.measure.fidelity import SWEEPS, FidelityResult, fidelity, single_layer_policy
 from gmlx_lab.policy import policy
 from gmlx_lab.registry import BASELINE
+from gmlx_lab.specs import parse_scheme_spec as parse
+from gmlx_lab.specs import scheme_label
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -22,10 +22,10 @@ from pathlib import Path
 from fidelity_sweep import RESULTS, machine, parse_policy
 
 from gmlx_lab.cli import MEMORY_SCHEMES, load_model, scheme_list
-from gmlx_lab.fidelity import parse_scheme_spec
-from gmlx_lab.memory import memory_report, prefill_peak
+from gmlx_lab.measure.memory import memory_report, prefill_peak
 from gmlx_lab.policy import policy
 from gmlx_lab.registry import BASELINE
+from gmlx_lab.specs import parse_scheme_spec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,8 @@ import pytest
 from conftest import random_kv
 
 import gmlx_lab
-from gmlx_lab import tradeoff, viz
+from gmlx_lab import viz
+from gmlx_lab.measure import tradeoff
 from gmlx_lab.models import specimen
 
 RESULT = viz.benchmark_results

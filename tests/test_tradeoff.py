@@ -1,4 +1,4 @@
-"""Equal-memory comparisons (gmlx_lab.tradeoff, notebooks 06 and 07) and their figures (gmlx_lab.viz.tradeoff)."""
+"""Equal-memory comparisons (gmlx_lab.measure.tradeoff, notebooks 06 and 07) and their figures (viz.tradeoff)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 import gmlx_lab
-from gmlx_lab import kv_inspect, tradeoff, viz
-from gmlx_lab.fidelity import fidelity
-from gmlx_lab.memory import memory_report
+from gmlx_lab import kv_inspect, viz
+from gmlx_lab.measure import tradeoff
+from gmlx_lab.measure.fidelity import fidelity
+from gmlx_lab.measure.memory import memory_report
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 

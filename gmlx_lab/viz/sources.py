@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..measure.sizes import layer_shapes, policy_bytes
 from ..models import FAMILIES, specimen
 from ..policy import policy
 from ..registry import BASELINE
-from .sizes import layer_shapes, policy_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
