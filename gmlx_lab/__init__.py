@@ -14,7 +14,10 @@ __version__ = "0.1.0"
 import sys
 from importlib import import_module
 
-from . import schemes  # noqa: F401  (registers the built-in schemes)
+from . import (
+    mlx_lm_hooks,
+    schemes,  # noqa: F401  (registers the built-in schemes, and their cache classes in mlx-lm)
+)
 from .cache import AffineCache, BlockCache, BlockScheme, FP16Cache, KVarNCache
 from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.memory etc., as before)
 from .measure.audit import audit
@@ -23,6 +26,8 @@ from .models import available_models, load
 from .policy import Policy, PromptCache, make_cache, policy
 from .registry import SCHEMES, Option, Scheme, get_scheme, register_scheme
 from .specs import parse_scheme_spec
+
+mlx_lm_hooks.install()  # mlx-lm's attention routes to a cache's own `attend` (the one change gmlx_lab makes there)
 
 # The measurement modules' paths before they moved into gmlx_lab/measure/ still import (`from gmlx_lab.fidelity
 # import fidelity` in notebooks and scripts written before); `gmlx_lab.fidelity` and `gmlx_lab.audit` are the

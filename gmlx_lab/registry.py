@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .mlx_lm_hooks import register_cache_class, same_class
 from .records import KVARN_BITS, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS  # noqa: F401  (kvarn's format, records.py)
 
 BASELINE = "fp16"  # the scheme every policy falls back to, and the reference of fidelity and memory
@@ -214,21 +215,9 @@ def register_scheme(scheme: Scheme, *, replace: bool = False) -> Scheme:
         raise ValueError(f"scheme {scheme.name!r} is already registered ({type(old).__name__}); "
                          "pick another name or pass replace=True")
     if scheme.cache_class is not None:
-        import mlx_lm.models.cache as mlx_cache
-
-        cls = scheme.cache_class
-        taken = getattr(mlx_cache, cls.__name__, None)
-        if taken is not None and taken is not cls and not same_class(taken, cls):
-            raise ValueError(f"cache class name {cls.__name__!r} is taken in mlx_lm.models.cache (by "
-                             f"{taken.__module__}.{taken.__qualname__}); load_prompt_cache finds classes by name "
-                             "there: name your cache class differently")
-        setattr(mlx_cache, cls.__name__, cls)
+        register_cache_class(scheme.cache_class)
     SCHEMES[scheme.name] = scheme
     return scheme
-
-
-def same_class(a: type, b: type) -> bool:
-    return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
 def _same_definition(old: Scheme, new: Scheme) -> bool:

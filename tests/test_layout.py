@@ -115,3 +115,27 @@ def test_the_measurement_modules_old_paths_still_import() -> None:
     assert tradeoff is measure.tradeoff and memory_report is measure.memory.memory_report
     assert parse_scheme_spec is gmlx_lab.parse_scheme_spec and AuditError is measure.audit.AuditError
     assert callable(gmlx_lab.fidelity) and callable(gmlx_lab.audit)  # the functions, as before
+
+
+def mlx_lm_patches(path: Path) -> list[str]:
+    """What a module changes in mlx-lm: assignments to, or setattr on, a name bound to an mlx_lm module."""
+    tree = ast.parse(path.read_text())
+    bound = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+             if a.name.startswith("mlx_lm")}
+    bound |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+              and (n.module or "").startswith("mlx_lm") for a in n.names}
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        found += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and ast.unparse(t.value) in bound]
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and ast.unparse(node.args[0]) in bound:
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_mlx_lm_is_changed_from_one_module() -> None:
+    """gmlx_lab/mlx_lm_hooks.py is the one module that changes mlx-lm (installed from gmlx_lab/__init__)."""
+    patching = {module_name(p): found for p in PACKAGE.rglob("*.py") if (found := mlx_lm_patches(p))}
+    assert set(patching) == {"gmlx_lab.mlx_lm_hooks"}, patching
+    assert "mlx_lm_hooks.install()" in (PACKAGE / "__init__.py").read_text()
+
