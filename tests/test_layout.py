@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,41 @@ def test_mlx_lm_is_changed_from_one_module() -> None:
     assert set(patching) == {"gmlx_lab.mlx_lm_hooks"}, patching
     assert "mlx_lm_hooks.install()" in (PACKAGE / "__init__.py").read_text()
 
+
+def test_the_published_results_ship_with_the_package() -> None:
+    """The notebooks read the committed results through viz.benchmark_results, from inside the package (a link to
+    benchmarks/results in a checkout), and pyproject.toml's package data takes every one of them into an install."""
+    import fnmatch
+
+    from gmlx_lab.viz import sources
+
+    root = PACKAGE.parent
+    assert sources.RESULTS_DIR == PACKAGE / "data" / "results"
+    assert sources.RESULTS_DIR.resolve() == root / "benchmarks" / "results"
+    line = re.search(r"^gmlx_lab = \[(.*)\]$", (root / "pyproject.toml").read_text(), re.M).group(1)
+    patterns = re.findall(r'"([^"]+)"', line)
+    files = sorted(sources.RESULTS_DIR.glob("*.json"))
+    assert files and set(sources.benchmark_results()) == {f.name for f in files}
+    unshipped = [f.name for f in files if not any(fnmatch.fnmatch(f"data/results/{f.name}", p) for p in patterns)]
+    assert not unshipped
+
+
+def test_result_files_are_named_by_machine() -> None:
+    """Every committed result says where it ran at the end of its name, as gmlx_lab.doctor.machine_tag gives it
+    (-cpu: MLX's CPU backend; -h200: the NVIDIA H200; -apple-...: a Mac)."""
+    results = PACKAGE.parent / "benchmarks" / "results"
+    named = re.compile(r".*-(cpu|h200|apple-[a-z0-9-]+)")
+    assert [p.name for p in results.glob("*.json") if not named.fullmatch(p.stem)] == []
+
+
+def test_the_docs_the_code_cites_exist() -> None:
+    """Every `docs/NAME.md` the package cites exists, and a cited `section N` is one of its `## N.` headings."""
+    cited = set()
+    for path in PACKAGE.rglob("*.py"):
+        cited |= set(re.findall(r"docs/([\w.-]+\.md)(?: section (\d+))?", path.read_text()))
+    assert cited
+    for name, section in sorted(cited):
+        doc = PACKAGE.parent / "docs" / name
+        assert doc.is_file(), f"docs/{name} is cited but missing"
+        if section:
+            assert re.search(rf"^## {section}\. ", doc.read_text(), re.M), f"docs/{name} has no section {section}"

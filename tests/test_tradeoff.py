@@ -67,7 +67,7 @@ def test_size_curves_and_bytes_per_token(model) -> None:
 
 
 def test_points_from_committed_results_and_from_a_live_run(model) -> None:
-    data = json.loads((RESULTS / "fidelity-teaching-llama.json").read_text())
+    data = json.loads((RESULTS / "fidelity-teaching-llama-cpu.json").read_text())
     points = tradeoff.tradeoff_points(data)
     labels = [p.label for p in points]
     assert "fp16" in labels and "kvarn k8v4 tail=128" in labels and not any("layer" in x for x in labels)
@@ -89,7 +89,7 @@ def test_points_from_committed_results_and_from_a_live_run(model) -> None:
 
 
 def _points():
-    return tradeoff.tradeoff_points(json.loads((RESULTS / "fidelity-teaching-llama.json").read_text()))
+    return tradeoff.tradeoff_points(json.loads((RESULTS / "fidelity-teaching-llama-cpu.json").read_text()))
 
 
 def test_figures_follow_the_lab_rules(model) -> None:
