@@ -40,8 +40,18 @@ from ..kernels import (
     seal_records,
     unpack_records,
 )
-from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
-from ..registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
+from ..records import (
+    KV,
+    KVARN_EXT_HEAD_DIMS,
+    KVARN_HEAD_DIMS,
+    SINK_TOKENS,
+    TILE,
+    KvarnParts,
+    Records,
+    decode_tokens,
+    encode_tokens,
+)
+from ..registry import get_scheme
 from ..window import groups_to_drop
 from .attention import grouped_attention, merge_partials
 from .base import GmlxCache, array_bytes

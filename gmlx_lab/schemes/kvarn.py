@@ -16,7 +16,10 @@ import numpy as np
 
 from .. import records, window
 from ..cache.kvarn import KVarNCache
-from ..registry import KVARN_BITS, KVARN_BITS_ENV, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, Option, Scheme, register_scheme
+from ..records import KVARN_BITS, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS
+from ..registry import Option, Scheme, register_scheme
+
+KVARN_BITS_ENV = "GMLX_KVARN_BITS"  # K and V widths, "6" or "k6v5", where no width is given
 
 OPTIONS = (
     Option("bits", 6, "code width for K and V", KVARN_BITS),
