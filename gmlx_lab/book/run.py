@@ -24,6 +24,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError
 from nbclient.output_widget import OutputWidget
+from nbconvert.filters import strip_ansi
 
 CELL_TIMEOUT_S = 900  # the slowest cell (Gemma 3 270M's first conversion, 2 cores) takes well under this
 
@@ -83,8 +84,12 @@ def execute(path: str | Path, timeout: int = CELL_TIMEOUT_S, env: dict[str, str]
     start = time.perf_counter()
     try:
         client.execute(env={**os.environ, **(env or {})})
-    except (CellExecutionError, CellTimeoutError) as exc:
-        raise NotebookFailed(f"{path.name}: {exc}") from None
+    except CellExecutionError as exc:
+        index = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                      and any(o.get("output_type") == "error" for o in c.get("outputs", []))), "?")
+        raise NotebookFailed(f"{path.name}, cell {index}: {exc.ename}: {exc.evalue}\n{strip_ansi(str(exc))}") from None
+    except CellTimeoutError as exc:
+        raise NotebookFailed(f"{path.name}: {strip_ansi(str(exc))}") from None
     seconds = time.perf_counter() - start
     cells = [_cell_seconds(c) for c in nb.cells if c.cell_type == "code"]
     return Run(path, nb, seconds, pids[0] if pids else None, cells)

@@ -92,7 +92,8 @@ class StaticWidgets:
         if name == "AnyModel" and "_widget_data" in state:  # plotly's FigureWidget (an anywidget)
             return self.outputs([{"output_type": "display_data", "data": {
                 "application/vnd.plotly.v1+json": {"data": state["_widget_data"], "layout": state["_widget_layout"]}}}])
-        return f'<div class="book-widget-missing">{html.escape(name)} (drawn only in a running notebook)</div>'
+        kind = html.escape(name.removesuffix("Model"))
+        return f'<div class="book-widget-missing">{kind} (drawn only in a running notebook)</div>'
 
     def _children(self, state: dict[str, Any]) -> str:
         return "".join(self.draw(ref) for ref in state.get("children", []))
