@@ -11,11 +11,9 @@ when it can be fetched or is already in the local Hugging Face cache.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from gmlx_lab.models import gemma3, smollm2
+from gmlx_lab.models import conversion, gemma3, smollm2
 from gmlx_lab.models.errors import ModelNotAvailableError, PackageMissingError
 from gmlx_lab.models.specimens import FAMILIES, Family, families, specimen
 
@@ -114,7 +112,7 @@ def load(
         raise ModelNotAvailableError(f"unknown model {name!r}. {_offline_choices()}")
 
     model, tokenizer = mlx_lm.load(str(path), lazy=True)  # weights are read below, one at a time
-    release_freed_heap()
+    conversion.release_freed_heap()  # the tokenizer's parse
     if compute_dtype == "auto":
         compute_dtype = mx.float32 if mx.default_device() == mx.cpu else None
     if compute_dtype is not None:
@@ -127,19 +125,6 @@ def load(
         mx.clear_cache()
     model.gmlx_name = display
     return model, tokenizer
-
-
-def release_freed_heap() -> None:
-    """Give the C heap freed so far back to the OS (glibc's malloc_trim; elsewhere nothing to do).
-
-    Building a tokenizer from its tokenizer.json parses the whole file in C: for Gemma 3 (262144 tokens,
-    515k merges) about 0.3 GB that glibc keeps after it is freed, counted in the kernel's resident memory
-    (mybinder.org allows 2 GB) until something reuses it.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None)
-        if hasattr(libc, "malloc_trim"):  # glibc; musl has none
-            libc.malloc_trim(0)
 
 
 def _check_name(name_or_path: Any) -> str:
