@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,6 @@ def _cell_seconds(cell: nbformat.NotebookNode) -> float:
     times = cell.metadata.get("execution", {})
     if "iopub.execute_input" not in times or "shell.execute_reply" not in times:
         return 0.0
-    from datetime import datetime
-
     begin, end = (datetime.fromisoformat(times[k].rstrip("Z")) for k in ("iopub.execute_input", "shell.execute_reply"))
     return (end - begin).total_seconds()
 
