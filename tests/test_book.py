@@ -171,14 +171,28 @@ def served_book():
         server.server_close()
 
 
+def _hover_label(page) -> bool:
+    """Move the mouse across the first figure until plotly shows a hover label (it is live, not a picture)."""
+    plot = page.locator(".js-plotly-plot").first
+    plot.scroll_into_view_if_needed()
+    box = plot.locator(".nsewdrag").first.bounding_box()
+    for i in range(1, 20):
+        page.mouse.move(box["x"] + box["width"] * i / 20, box["y"] + box["height"] / 2)
+        page.wait_for_timeout(100)
+        if page.locator(".hoverlayer .hovertext").count():
+            return True
+    return False
+
+
 def test_book_site_renders(served_book, monkeypatch) -> None:
-    """Every page: its plotly figures drawn (live: each has its mode bar), no script error, nothing fetched
-    from outside localhost, the run box with Binder and the two local commands; and the index links them all."""
+    """Every page: its plotly figures drawn (live: each has its mode bar, and one shows a hover label), no script
+    error, nothing fetched from outside localhost, the run box with Binder and the two local commands; and the
+    index links them all."""
     from playwright.sync_api import sync_playwright
 
     base, pages = served_book
     monkeypatch.delenv("LD_PRELOAD", raising=False)  # OpenBLAS preloaded by make test breaks chromium's threads
-    outside, errors = [], []
+    outside, errors, hovered = [], [], False
     shots = OUT / "screenshots"
     shots.mkdir(exist_ok=True)
     with sync_playwright() as p:
@@ -211,6 +225,9 @@ def test_book_site_renders(served_book, monkeypatch) -> None:
             binder = page.locator("a.book-binder").get_attribute("href")
             assert binder.endswith(f"labpath=notebooks/{target.with_suffix('.ipynb').name}")
             page.screenshot(path=str(shots / target.with_suffix(".png").name))
+            if figures and not hovered:
+                hovered = _hover_label(page)
         browser.close()
+    assert hovered, "no figure showed a hover label"
     assert not errors, errors[:5]
     assert not outside, f"the book tried to reach outside localhost: {outside[:5]}"
