@@ -150,6 +150,13 @@ def _require_browser() -> None:
         pytest.skip(message)
 
 
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the site's files without a log line per request."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 @pytest.fixture()
 def served_book():
     """The book built from this session's executed notebooks, served on a free localhost port."""
@@ -159,8 +166,7 @@ def served_book():
             book.execute_to(path, EXECUTED)
             ran_here.add(path.name)
     pages = book.build(ROOT / "notebooks", OUT, executed=EXECUTED, repo="gmlx/gmlx_lab")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(OUT))
-    handler.log_message = lambda *args: None
+    handler = functools.partial(QuietHandler, directory=str(OUT))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
