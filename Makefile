@@ -1,4 +1,4 @@
-# Two entry points, each working on a fresh machine: `make lab` and `make test`.
+# Two entry points, each working on a fresh machine: `make lab` and `make test`; `make book` writes the static site.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 BLAS_ENV = LD_PRELOAD="$$([ -e $(OPENBLAS) ] && echo $(OPENBLAS))"
 export HF_HUB_OFFLINE := 1
 
-.PHONY: lab test lint clean
+.PHONY: lab test lint book clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +25,18 @@ $(STAMP): pyproject.toml
 lab: $(STAMP)
 	$(BLAS_ENV) $(VENV)/bin/gmlx-lab lab
 
+# Every notebook run and rendered as a static site: build/book/index.html (gmlx_lab/book).
+book: $(STAMP)
+	$(BLAS_ENV) $(VENV)/bin/gmlx-lab book --out build/book
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks notebooks
 
 test: $(STAMP)
 	bash tools/system_deps.sh
 	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks notebooks
-	$(BLAS_ENV) $(PY) -m pytest tests notebooks --nbval-lax
+	# tests/test_book.py runs every notebook once (the check nbval-lax made) and builds and browses the book from it.
+	$(BLAS_ENV) $(PY) -m pytest tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build

@@ -1,4 +1,4 @@
-"""The `gmlx-lab` command: compare, fidelity, policy, memory, passkey, draft, weights-kv and lab.
+"""The `gmlx-lab` command: compare, fidelity, policy, memory, passkey, draft, weights-kv, lab and book.
 
     gmlx-lab policy llama                      # the [kv] line and per-layer decisions of a specimen
     gmlx-lab fidelity --schemes affine4,kvarn4:tail=128 --prefill 1400 --decode 128
@@ -8,6 +8,7 @@
     gmlx-lab draft --schemes fp16,affine4,kvarn4:tail=0 --draft-layers 4
     gmlx-lab weights-kv --weight-bits fp16,8,4,3 --schemes fp16,affine4,kvarn4:tail=0
     gmlx-lab lab                               # JupyterLab on the notebooks/ folder
+    gmlx-lab book                              # every notebook run, as a static site in build/book/
     gmlx-lab --plugin my_scheme fidelity --schemes affine4,mine4   # a plug-in registers its schemes first
 
 Overrides of gmlx's per-layer rule, for exploration (compare, fidelity, memory, policy): `--quantize-layers 5,11`
@@ -346,6 +347,16 @@ def cmd_lab(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "jupyterlab", str(folder), *extra, *args.jupyter_args])
 
 
+def cmd_book(args: argparse.Namespace) -> int:
+    """Run every notebook and write the static book (gmlx_lab.book)."""
+    from .book import build
+
+    executed = Path(args.executed) if args.executed else None
+    pages = build(find_notebooks(), Path(args.out), executed, args.repo)
+    print(f"[book] {len(pages)} pages: {Path(args.out) / 'index.html'}")
+    return 0
+
+
 def cmd_schemes(args: argparse.Namespace) -> int:
     """The scheme registry as a table: every scheme, option, default and accepted value."""
     from .registry import SCHEMES
@@ -494,6 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("lab", help="start JupyterLab on the notebooks/ folder")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab")
     p.set_defaults(run=cmd_lab)
+
+    p = sub.add_parser("book", help="run every notebook and write a static site of them (build/book/index.html)")
+    p.add_argument("--out", default="build/book", help="the site's folder (default: build/book)")
+    p.add_argument("--executed", default=None, metavar="DIR",
+                   help="render the notebooks already executed in DIR instead of running them")
+    p.add_argument("--repo", default=None, metavar="OWNER/NAME",
+                   help="GitHub repository for the Binder links (default: the checkout's origin remote)")
+    p.set_defaults(run=cmd_book)
 
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE (a module name or a .py file) first: it registers its schemes; repeatable")

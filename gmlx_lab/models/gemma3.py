@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from gmlx_lab.models import conversion
 from gmlx_lab.models.errors import PackageMissingError
@@ -114,23 +115,38 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _weights(reader: Any, bar: Any) -> dict[str, mx.array]:
+def _weights(tensors: list[Any], bar: Any) -> dict[str, mx.array]:
     """Dequantize and rename the GGUF tensors into mlx-lm gemma3_text weights (fp16)."""
-    from gguf.quants import dequantize
-
     out: dict[str, mx.array] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         stem, kind = tensor.name.rsplit(".", 1)
         if stem.startswith("blk."):
             _, layer, part = stem.split(".")
             name = f"model.layers.{layer}.{_LAYER_NAMES[part]}"
         else:
             name = _TOP_NAMES[stem]
-        w = dequantize(tensor.data, tensor.tensor_type)  # float32, shape (out, in) as mlx-lm wants
-        if stem.endswith("norm"):
-            w = w - 1.0  # llama.cpp stores 1 + w; mlx-lm's gemma3_text RMSNorm multiplies by 1 + w
-        out[f"{name}.{kind}"] = mx.array(w).astype(mx.float16)
+        out[f"{name}.{kind}"] = mx.array(_fp16(tensor, norm=stem.endswith("norm")))
         bar.update()
+    return out
+
+
+def _fp16(tensor: Any, norm: bool, rows: int = 8192) -> np.ndarray:
+    """One GGUF tensor dequantized to float32 and rounded to fp16, `rows` rows at a time.
+
+    Shape (out, in), as mlx-lm wants. By rows because float32 copies of the whole 262144 x 640 embedding
+    (0.67 GB each) took the conversion to a 2.85 GB peak, over mybinder.org's 2 GB; quantized blocks never
+    span rows, so the values are the same.
+    """
+    from gguf.quants import dequantize
+
+    data = tensor.data
+    first = dequantize(data[:rows], tensor.tensor_type)
+    out = np.empty((data.shape[0], *first.shape[1:]), np.float16)
+    for start in range(0, data.shape[0], rows):
+        w = first if start == 0 else dequantize(data[start : start + rows], tensor.tensor_type)
+        if norm:
+            w = w - 1.0  # llama.cpp stores 1 + w; mlx-lm's gemma3_text RMSNorm multiplies by 1 + w
+        out[start : start + rows] = w  # float32 -> fp16, round to nearest even (as mx.astype)
     return out
 
 
@@ -228,15 +244,20 @@ def convert(dest: Path) -> Path:
         if _field(reader, "general.architecture") != "gemma3":
             raise ValueError(f"{source} is not a gemma3 GGUF file")
         bar.reset(total=len(reader.tensors) + 2)
-        bar.set_postfix_str("dequantizing")
-        weights = _weights(reader, bar)
-        config = _config(reader)
         bar.set_postfix_str("tokenizer")
+        config = _config(reader)
         (tmp / "tokenizer.json").write_text(_tokenizer_json(reader), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(reader, config), indent=2))
         bar.update()
+        # The weights need only the tensors (views of the mapped file). The reader's fields, 262144 tokens
+        # with their scores and types as small numpy arrays, hold about 0.5 GB: freed before the weights.
+        tensors = reader.tensors
+        del reader
+        conversion.release_freed_heap()
+        bar.set_postfix_str("dequantizing")
+        weights = _weights(tensors, bar)
         bar.set_postfix_str("writing model.safetensors")
-        del reader  # unmaps the GGUF file before it is removed
+        del tensors  # unmaps the GGUF file before it is removed
         source.unlink()
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "NOTICE.md").write_text(_NOTICE)

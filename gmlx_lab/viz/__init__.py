@@ -3,8 +3,11 @@
 Importing this module inside a Jupyter kernel whose plotly renderer is the plain
 `plotly_mimetype` switches it to `plotly_mimetype+notebook`: JupyterLab still
 draws the mimetype (offline, bundled plotly.js), and an HTML export gets the
-figure with plotly.js embedded (never the CDN). A renderer you chose is kept.
+figure with plotly.js embedded (never the CDN). A renderer you chose, in code or with the PLOTLY_RENDERER
+environment variable, is kept.
 """
+
+import os
 
 import plotly.io as _pio
 
@@ -85,6 +88,10 @@ __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure"
 
 
 def _offline_export_renderer() -> None:
+    """In a kernel, figures also carry plotly.js as HTML, so a notebook exported by nbconvert shows them offline;
+    an explicit PLOTLY_RENDERER wins (gmlx_lab.book's runs keep figures as JSON and ship plotly.js once)."""
+    if os.environ.get("PLOTLY_RENDERER"):
+        return
     try:
         from IPython import get_ipython
     except ImportError:
