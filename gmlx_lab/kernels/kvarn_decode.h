@@ -113,6 +113,19 @@ FN u32 high_halves(u32 x, u32 y) { return (x >> 16) | (y & 0xffff0000u); }
 FN float pair_lo(u32 x) { return half_bits_to_float(x & 0xffffu); }
 FN float pair_hi(u32 x) { return half_bits_to_float(x >> 16); }
 
+// Eight words (16 float16 values) from p, 16-byte aligned: two 16-byte loads on CUDA.
+FN void load_pairs8(GLOBAL_CONST u32* p, THREAD u32* w) {
+#if defined(GMLX_CUDA)
+  const uint4 a = ((GLOBAL_CONST uint4*)p)[0], b = ((GLOBAL_CONST uint4*)p)[1];
+  w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+#else
+  UNROLL for (int i = 0; i < 8; ++i) w[i] = p[i];
+#endif
+}
+
+// Value i (0..15, a constant after unrolling) of the 16 float16 values held in w[0..8).
+FN float pair_half(const THREAD u32* w, int i) { return (i & 1) ? pair_hi(w[i >> 1]) : pair_lo(w[i >> 1]); }
+
 // ---- RING: a ring of chunks staged through threadgroup memory by asynchronous copies ----
 // A warp consumes its records' chunks in one order: per record, for each slice its 8 K chunks (16 channels),
 // then for each slice its 8 V chunks (16 tokens): chunk n = 8s + ch of K, 8S + 8s + ch of V. Each warp owns
