@@ -7,7 +7,7 @@ Usage (a CUDA machine with Nsight Compute's `ncu`, which samples the warps' prog
 For each implementation and context (decode_attention.py's shapes: 1 query token, 32 q / 8 kv heads, head dim
 128) a child process builds the state, warms up (compiles), then runs one call between cuProfilerStart and
 cuProfilerStop; `ncu --profile-from-start off` profiles the kernels of that call alone with its sections
-WarpStateStats and SourceCounters (PC sampling, one sample per warp scheduler every 2^(5+interval) cycles),
+WarpStateStats and SourceCounters (PC sampling at ncu's automatic interval),
 leaving the clocks as they are. The report is read with ncu's Python interface (or, failing that, its CSV pages):
 per kernel the duration, the samples by stall reason, and the instructions with the most samples, each with its
 SASS text and its samples by reason; `by_opcode` sums them per opcode (LOP3, SHF, HMMA, LDS, ...).
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +189,6 @@ def main() -> None:
     ap.add_argument("--impls", default="fused_kvarn6,fused_kvarn4,fp16_sdpa")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--warm", type=int, default=5)
-    ap.add_argument("--interval", type=int, default=1, help="ncu --sampling-interval (2^(5+N) cycles)")
     ap.add_argument("--top", type=int, default=60, help="instructions kept per kernel")
     ap.add_argument("--reports", default="/tmp/stall_reports", help="where the .ncu-rep files go")
     ap.add_argument("--note", default="")
@@ -206,7 +206,7 @@ def main() -> None:
             rep = Path(args.reports) / f"{impl}-{tokens}"
             cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--section", "WarpStateStats",
                    "--section", "SourceCounters", "--section", "LaunchStats", "--section", "Occupancy",
-                   "--section", "SpeedOfLight", "--sampling-interval", str(args.interval), "-f", "-o", str(rep),
+                   "--section", "SpeedOfLight", "-f", "-o", str(rep),
                    sys.executable, str(Path(__file__).resolve()), "--child", impl, str(tokens),
                    "--warm", str(args.warm)]
             t0 = time.perf_counter()
@@ -236,13 +236,14 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, cases: list[dict[str, Any]]) -> None:
-    import mlx.core as mx
-
-    from gmlx_lab.kernels import config
+    """The JSON, after every case. This process does not import MLX: on the H200 at a8933d7 the process ended
+    without a message after reading its first case, before writing; importing MLX after ncu's report module had
+    loaded is the suspected cause (not confirmed)."""
     commit = os.environ.get("GMLX_COMMIT", "unknown")
-    result = {"mlx": mx.__version__, "commit": commit, "kernel_settings": config.as_dict(),
+    result = {"mlx": version("mlx"), "commit": commit, "kernel_settings": "the defaults (kernels/config.py), "
+              "except the _ring_on / _ring_off rows",
               "shape": {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "query_tokens": 1},
-              "method": re.sub(r"\s+", " ", __doc__.split("\n\n")[1]), "note": args.note, "cases": cases}
+              "method": re.sub(r"\s+", " ", __doc__.split("\n\n")[2]), "note": args.note, "cases": cases}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
