@@ -13,8 +13,8 @@ For each context, every scheme side by side, each with a fresh cache (all kept u
   2. decode, in `--rounds` rounds: in each, every scheme in turn decodes its share of `--decode` tokens with
      `mlx_lm.generate_step` (greedy, async-eval pipelining) from where its last round stopped, so a slow
      spell of the machine falls on every scheme alike; the wall-clock interval between consecutive yielded
-     tokens is one token's time, each round's first token (pipeline start) left out;
-     decode_tokens_per_s = 1000 / mean ms;
+     tokens is one token's time, each round's first token (pipeline start) left out; each row reports the
+     median, the 10th percentile and the count of its timed tokens; decode_tokens_per_s = 1000 / mean ms;
   3. graph building: `--build-steps` more decode steps run one at a time, timing the Python call that builds
      the step's graph (`model(...)` plus the argmax) apart from its evaluation; `build_us_per_layer` spreads
      it over the layers; `encode_us_per_step` times `mx.async_eval`, where MLX hands the step's kernels to the
@@ -175,6 +175,14 @@ def parse_probes(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile of values, interpolated between the two nearest ranks (numpy's default)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
+
+
 def cache_bytes(cache: Any) -> int:
     return sum(c.nbytes for c in cache)
 
@@ -294,7 +302,8 @@ class Run:
         build = statistics.median(builds)
         self.row.update({
             "decode_tokens_per_s": round(1e3 / mean, 2), "decode_ms_median": round(median, 3),
-            "decode_ms_mean": round(mean, 3), "decode_ms_min": round(min(self.intervals), 3),
+            "decode_ms_mean": round(mean, 3), "decode_ms_p10": round(percentile(self.intervals, 10), 3),
+            "decode_ms_min": round(min(self.intervals), 3),
             "decode_ms_max": round(max(self.intervals), 3), "timed_tokens": len(self.intervals),
             "build_us_per_step": round(build, 1), "build_us_per_layer": round(build / len(model.layers), 2),
             "encode_us_per_step": round(statistics.median(encodes), 1),
@@ -332,22 +341,26 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["decode_vs_mlx_lm_fp16"] = round(r["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
         # from the median token: a few slow tokens (a compile, a collection) move the mean of 64 tokens a lot
         r["decode_median_vs_mlx_lm_fp16"] = round(base["decode_ms_median"] / r["decode_ms_median"], 3)
+        r["decode_p10_vs_mlx_lm_fp16"] = round(base["decode_ms_p10"] / r["decode_ms_p10"], 3)
         r["prefill_vs_mlx_lm_fp16"] = round(r["prefill_tokens_per_s"] / base["prefill_tokens_per_s"], 3)
         r["cache_vs_mlx_lm_fp16"] = round(r["cache_bytes"] / base["cache_bytes"], 3)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("| context | scheme | decode ms/token (median) | vs mlx-lm fp16 | tokens/s (mean) | vs mlx-lm fp16 | "
-          "prefill tokens/s | vs mlx-lm fp16 | cache GiB | build µs/layer | encode µs/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| context | scheme | decode ms/token (median) | vs mlx-lm fp16 | 10th pct ms | vs mlx-lm fp16 | tokens | "
+          "tokens/s (mean) | vs mlx-lm fp16 | prefill tokens/s | vs mlx-lm fp16 | cache GiB | build µs/layer | "
+          "encode µs/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['context']} | {r['scheme']} | {r['error'][:60]} |")
             continue
         ratio = {k: f"{r[k]:.2f}x" if k in r else "–" for k in  # "–" where mlx-lm's KVCache did not run
-                 ("decode_median_vs_mlx_lm_fp16", "decode_vs_mlx_lm_fp16", "prefill_vs_mlx_lm_fp16")}
+                 ("decode_median_vs_mlx_lm_fp16", "decode_p10_vs_mlx_lm_fp16", "decode_vs_mlx_lm_fp16",
+                  "prefill_vs_mlx_lm_fp16")}
         print(f"| {r['context']} | {r['scheme']} | {r['decode_ms_median']:.2f} | "
-              f"{ratio['decode_median_vs_mlx_lm_fp16']} | {r['decode_tokens_per_s']:.1f} | "
+              f"{ratio['decode_median_vs_mlx_lm_fp16']} | {r['decode_ms_p10']:.2f} | "
+              f"{ratio['decode_p10_vs_mlx_lm_fp16']} | {r['timed_tokens']} | {r['decode_tokens_per_s']:.1f} | "
               f"{ratio['decode_vs_mlx_lm_fp16']} | {r['prefill_tokens_per_s']:.0f} | "
               f"{ratio['prefill_vs_mlx_lm_fp16']} | {r['cache_bytes'] / 2**30:.3f} | "
               f"{r['build_us_per_layer']:.1f} | {r['encode_us_per_step']:.0f} |")

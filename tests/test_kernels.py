@@ -16,8 +16,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import random_kv
+from conftest import random_kv, tiny_llama
 
+import gmlx_lab
 from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.attention import grouped_attention
 from gmlx_lab.cache.kvarn import KVarNCache
@@ -368,6 +369,8 @@ def test_kernel_settings_explicit_beats_environment(monkeypatch: pytest.MonkeyPa
     try:
         assert config.reload_environment().ring == "off"
         assert config.environment_choices() == {"ring": "GMLX_KVARN_RING=off"}
+        policy = str(gmlx_lab.make_cache(tiny_llama(layers=2), "kvarn", bits=4, quiet=True).policy)
+        assert "kernel settings from the environment: GMLX_KVARN_RING=off" in policy
         with config.configured(ring="on") as chosen:
             assert chosen.ring == "on" and config.environment_choices() == {}
         assert config.current().ring == "off"

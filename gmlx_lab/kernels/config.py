@@ -23,7 +23,7 @@ class KernelConfig:
 
     compile_graphs: bool = True  # decode attention replays one mx.compile graph per launch geometry (build.run_graph)
     ring: str = "auto"  # kvarn_decode stages code words through its cp.async ring: "on", "off", "auto" (long contexts)
-    merge_in_kernel: bool = False  # CUDA: the split kernels merge their own splits (one launch a layer)
+    merge_in_kernel: bool = True  # CUDA: the split kernels merge their own splits (one launch a layer)
 
 
 ENVIRONMENT = {"compile_graphs": "GMLX_COMPILE_DECODE", "ring": "GMLX_KVARN_RING",

@@ -231,9 +231,9 @@ class KvarnPlan(NamedTuple):
 def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
     with the setting `merge_in_kernel` (config.py) and the CUDA source, whose fences make one
-    threadgroup's writes visible to the others (Metal's do not). Off by default: on the H200 the last
-    threadgroup's serial merge made kvarn6's kernel 94 µs a layer at 32K against 54 + 4 for the two launches
-    (benchmarks/results/gpu_timeline-h200.json); model_decode.py's probe `one-launch` measures it side by side."""
+    threadgroup's writes visible to the others (Metal's do not). On by default: in the whole model on the H200
+    (benchmarks/results/model_decode-h200.json) kvarn6 and kvarn4 decoded faster merging in the kernel than with
+    split_merge at 8K and 32K in all four comparisons; model_decode.py's probes `one-launch` / `two-launch`."""
     return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 

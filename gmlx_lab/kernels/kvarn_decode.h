@@ -59,8 +59,10 @@ FN u32 code16(const THREAD u32* w, int j) {
 // float16 pair (1024 + lo, 1024 + hi) as one u32: lo in the low half.
 FN u32 code_pair(u32 lo, u32 hi) { return 0x64006400u | lo | (hi << 16); }
 
+#if defined(GMLX_METAL)
 // The A fragment of tile column block mt for four packed rows: rows r0, r1 are k = 2t, 2t+1 and rows
 // r2, r3 are k = 2t+8, 2t+9; tile row m = g takes code mt of each row, m = g+8 takes code 8 + mt.
+// (Metal: each code extracted on its own, then paired; CUDA pairs two rows' bytes first, below.)
 template <int B>
 FN void codes_fragment(const THREAD u32* w0, const THREAD u32* w1, const THREAD u32* w2, const THREAD u32* w3,
                        int mt, THREAD u32* a) {
@@ -69,6 +71,39 @@ FN void codes_fragment(const THREAD u32* w0, const THREAD u32* w1, const THREAD 
   a[2] = code_pair(code16<B>(w2, mt), code16<B>(w3, mt));
   a[3] = code_pair(code16<B>(w2, 8 + mt), code16<B>(w3, 8 + mt));
 }
+#else
+// Bytes o, o + 1 of two rows' code words (as load_codes16 holds them) in one word: row x's in the low half, row
+// y's in the high half. One byte_perm (PRMT) when both bytes sit in one word, three when they straddle two.
+FN u32 row_bytes2(const THREAD u32* x, const THREAD u32* y, int o) {
+  const int w = o >> 2, b = o & 3;
+  if (b < 3) return byte_perm(x[w], y[w], u32(b | (b + 1) << 4 | (b + 4) << 8 | (b + 5) << 12));
+  return byte_perm(byte_perm(x[w], x[w + 1], 0x43u), byte_perm(y[w], y[w + 1], 0x43u), 0x5410u);
+}
+
+// Code j (a constant after unrolling) of rows x and y as the float16 pair (1024 + x's, 1024 + y's): the 16-bit
+// window of both rows that holds the code's B bits (bits jB .. jB + B - 1 start in byte jB / 8, at most 7 bits
+// in, and B <= 8 bits fit in its 16; the rows' last byte is read from the window one byte earlier), shifted
+// down, masked in both halves and OR-ed into 0x6400 in one LOP3: two codes for a shift and a logic operation,
+// where extracting each on its own takes three times that.
+template <int B>
+FN u32 code_pair2(const THREAD u32* x, const THREAD u32* y, int j) {
+  constexpr int LAST = 4 * ((B + 1) / 2) - 2;   // the last window inside the rows' (B + 1) / 2 words
+  const int bit = j * B, o = (bit >> 3) < LAST ? (bit >> 3) : LAST;
+  const u32 window = row_bytes2(x, y, o);
+  return and_or(window >> u32(bit - 8 * o), ((1u << B) - 1u) * 0x10001u, 0x64006400u);
+}
+
+// The A fragment of tile column block mt for four packed rows: rows r0, r1 are k = 2t, 2t+1 and rows
+// r2, r3 are k = 2t+8, 2t+9; tile row m = g takes code mt of each row, m = g+8 takes code 8 + mt.
+template <int B>
+FN void codes_fragment(const THREAD u32* w0, const THREAD u32* w1, const THREAD u32* w2, const THREAD u32* w3,
+                       int mt, THREAD u32* a) {
+  a[0] = code_pair2<B>(w0, w1, mt);
+  a[1] = code_pair2<B>(w0, w1, 8 + mt);
+  a[2] = code_pair2<B>(w2, w3, mt);
+  a[3] = code_pair2<B>(w2, w3, 8 + mt);
+}
+#endif
 
 // float16 halves of two u32 words: the low halves of x and y, or their high halves, as one pair.
 FN u32 low_halves(u32 x, u32 y) { return (x & 0xffffu) | (y << 16); }
@@ -77,6 +112,19 @@ FN u32 high_halves(u32 x, u32 y) { return (x >> 16) | (y & 0xffff0000u); }
 // The two float values of a float16 pair.
 FN float pair_lo(u32 x) { return half_bits_to_float(x & 0xffffu); }
 FN float pair_hi(u32 x) { return half_bits_to_float(x >> 16); }
+
+// Eight words (16 float16 values) from p, 16-byte aligned: two 16-byte loads on CUDA.
+FN void load_pairs8(GLOBAL_CONST u32* p, THREAD u32* w) {
+#if defined(GMLX_CUDA)
+  const uint4 a = ((GLOBAL_CONST uint4*)p)[0], b = ((GLOBAL_CONST uint4*)p)[1];
+  w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+#else
+  UNROLL for (int i = 0; i < 8; ++i) w[i] = p[i];
+#endif
+}
+
+// Value i (0..15, a constant after unrolling) of the 16 float16 values held in w[0..8).
+FN float pair_half(const THREAD u32* w, int i) { return (i & 1) ? pair_hi(w[i >> 1]) : pair_lo(w[i >> 1]); }
 
 // ---- RING: a ring of chunks staged through threadgroup memory by asynchronous copies ----
 // A warp consumes its records' chunks in one order: per record, for each slice its 8 K chunks (16 channels),

@@ -66,6 +66,14 @@ FN float simd_min_f(float x) { for (u32 o = 16; o > 0; o >>= 1) x = fmin(x, simd
 // ---- float16 pairs in a u32 (the smaller index in the low half) ----
 FN u32 gmlx_half_bits(float x) { return std::bit_cast<uint16_t>(static_cast<_Float16>(x)); }
 FN u32 pack_half2(float lo, float hi) { return gmlx_half_bits(lo) | (gmlx_half_bits(hi) << 16); }
+FN u32 and_or(u32 a, u32 b, u32 c) { return (a & b) | c; }   // (CUDA: one LOP3)
+// CUDA's __byte_perm without its sign-replicating mode: byte n of the result is byte (s >> 4n) & 7 of x (0..3), y (4..7)
+FN u32 byte_perm(u32 x, u32 y, u32 s) {
+  const u64 v = (u64(y) << 32) | u64(x);
+  u32 r = 0;
+  for (int n = 0; n < 4; ++n) r |= u32((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+  return r;
+}
 FN float half_bits_to_float(u32 bits) {
   return static_cast<float>(std::bit_cast<_Float16>(static_cast<uint16_t>(bits & 0xffffu)));
 }

@@ -43,6 +43,11 @@ FN void atomic_reset(const u32* p) { atomicExch(const_cast<u32*>(p), 0u); }
 FN u32 pack_half2(float lo, float hi) { const __half2 h = __floats2half2_rn(lo, hi); return *reinterpret_cast<const u32*>(&h); }
 FN float half_bits_to_float(u32 bits) { return __half2float(__ushort_as_half((unsigned short)bits)); }
 
+// Byte n of the result is byte (s >> 4n) & 7 of the eight bytes of x (0..3) then y (4..7): one PRMT instruction.
+FN u32 byte_perm(u32 x, u32 y, u32 s) { return __byte_perm(x, y, s); }
+// (a & b) | c in one LOP3 instruction (the compiler splits it into two when b and c are both constants).
+FN u32 and_or(u32 a, u32 b, u32 c) { u32 d; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d; }
+
 // C += A B on the tensor cores: A 16x16 and B 16x8 float16, C 16x8 float32, one warp, fragments as in
 // the PTX ISA's mma.m16n8k16 (their layout is written out in kvarn_decode.h). `lane` is for Metal's version.
 FN void mma16816(float* c, const u32* a, const u32* b, u32 lane) {
