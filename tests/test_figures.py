@@ -262,3 +262,28 @@ def test_policy_strip_rows_are_distinct() -> None:
     fig = viz.policy_strip([gmlx_lab.policy(model, "kvarn"), gmlx_lab.policy(model, "affine")])
     names = list(fig.data[0].y)
     assert len(set(names)) == 2 and "kvarn" in names[0] and "affine" in names[1]
+
+
+def test_checker_flags_automatic_and_too_sparse_log_ticks() -> None:
+    fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[0.03, 0.05, 0.4]))
+    fig.update_layout(xaxis_title="x", yaxis_title="y", yaxis_type="log")
+    assert any("automatic ticks" in p for p in viz.figure_problems(fig))
+    fig.update_yaxes(dtick=1)  # one decade mark (0.1) in 0.03-0.4: a single label
+    assert any("holds 1 of them" in p for p in viz.figure_problems(fig))
+    fig.update_yaxes(dtick="D1")
+    assert any("automatic ticks" in p for p in viz.figure_problems(fig))
+    fig.update_yaxes(**viz.log_ticks([0.03, 0.05, 0.4]))
+    assert viz.figure_problems(fig) == []
+    fig = go.Figure(go.Scatter(x=[1, 2], y=[1e-6, 1e-2]))
+    fig.update_layout(xaxis_title="x", yaxis_title="y", yaxis_type="log", yaxis_dtick=1)
+    assert viz.figure_problems(fig) == []  # five decades, each labelled
+
+
+def test_log_ticks_label_one_two_five_or_whole_decades() -> None:
+    assert viz.log_ticks([0.03, 0.4]) == {"tickvals": [0.05, 0.1, 0.2], "ticktext": ["0.05", "0.1", "0.2"]}
+    assert viz.log_ticks([2.6, 3.1])["ticktext"] == ["2.6", "3.1"]  # less than a factor 2: the ends
+    wide = viz.log_ticks([1e-9, 0.5, 0.0, float("nan")])  # zero and NaN cannot sit on a log axis: ignored
+    assert wide["tickvals"] is None and wide["dtick"] == 2
+    with pytest.raises(ValueError, match="positive"):
+        viz.log_ticks([0.0, -1.0])
+    assert viz.context_ticks([1024, 512, 32768])["ticktext"] == ["512", "1K", "32K"]

@@ -19,7 +19,7 @@ from ..records import region_tokens
 from ..registry import BASELINE, SCHEMES
 from .quant import AffineRow, hadamard, outlier_ratio
 from .sizes import LayerShape, layer_bytes
-from .style import num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
+from .style import context_ticks, log_ticks, num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
 
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
 REGION_NAMES = {"sink": "sink (fp16)", "body": "records (quantized)", "live": "live group (fp16)",
@@ -128,7 +128,7 @@ def error_figure(rows: list[dict[str, Any]], title: str = "reconstruction error 
     Colour is the scheme's, a shade per variant (g32 dark ... g128 light), dashed for V.
     """
     fig = _fig(title=title, xaxis_title="bits per code", yaxis_title="relative error ‖x − x̂‖ / ‖x‖ (log)",
-               yaxis_type="log", yaxis_exponentformat="power", height=400)
+               yaxis_type="log", height=400)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     styles = trace_styles(methods)
     for method in methods:
@@ -138,6 +138,7 @@ def error_figure(rows: list[dict[str, Any]], title: str = "reconstruction error 
                         line={"color": st["color"], "dash": st["dash"]}, marker={"symbol": st["symbol"], "size": 8},
                         hovertemplate="%{x} bits: error %{y:.3g}<extra>" + html.escape(method) + "</extra>")
     fig.update_xaxes(dtick=1)
+    fig.update_yaxes(**log_ticks(r["error"] for r in rows))
     return fig
 
 
@@ -232,6 +233,7 @@ def imbalance_figure(history: list[float], best: int, tol: float = 1e-3) -> go.F
                      + (f"<br><sup>rounds {shown}-{len(h) - 1} change nothing and are not drawn</sup>" if rest else ""),
                xaxis_title="normalization round (0 = unscaled)", yaxis_title="imbalance (log)", yaxis_type="log",
                yaxis_range=[np.log10(1.8), np.log10(1.3 * float(h[:shown].max()))], height=340)
+    fig.update_yaxes(**log_ticks([1.8, 1.3 * float(h[:shown].max())]))
     fig.add_scatter(x=list(range(shown)), y=h[:shown], mode="lines+markers", name="imbalance",
                     line={"color": "#ff7f0e"}, hovertemplate="round %{x}: %{y:.3g}<extra></extra>")
     fig.add_scatter(x=[best], y=[h[best]], mode="markers", marker={"size": 14, "symbol": "star", "color": "#6a3d9a"},
@@ -433,7 +435,7 @@ def position_kl_figure(result: Any, title: str | None = None) -> go.Figure:
         fig.update_xaxes(range=[min(nonzero) - 24, max(len(s["prefill_kl"]) + len(s["decode_kl"]) for s in schemes)])
         fig.add_annotation(text=f"KL is 0 before position {min(nonzero)} (zoom out to see it)", showarrow=False,
                            xref="paper", yref="paper", x=0, y=1.06, xanchor="left", font={"size": 11})
-    fig.update_yaxes(exponentformat="power")
+    fig.update_yaxes(**log_ticks(max(v, 1e-9) for s in schemes for v in [*s["prefill_kl"], *s["decode_kl"]]))
     return fig
 
 
@@ -459,8 +461,8 @@ def kernel_times_figure(data: dict[str, Any], title: str | None = None) -> go.Fi
                         line={"color": st["color"], "dash": dash, "width": 3 if scheme_names[impl] == BASELINE else 2},
                         marker={"symbol": st["symbol"], "size": 8},
                         hovertemplate="%{x} tokens: %{y:.3g} µs<extra>" + html.escape(impl) + "</extra>")
-    ticks = sorted({r["context"] for r in rows})
-    fig.update_xaxes(tickvals=ticks, ticktext=[f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ticks])
+    fig.update_xaxes(**context_ticks(r["context"] for r in rows))
+    fig.update_yaxes(**log_ticks(r["us"] for r in rows))
     return fig
 
 
@@ -479,6 +481,8 @@ def bars_figure(rows: list[dict[str, Any]], x: str, y: str, color: str, title: s
                     textangle=-90 if text else None, cliponaxis=False, constraintext="none",
                     textfont={"size": 11, "color": styles[key]["color"]} if text else None,
                     hovertemplate=f"%{{x}}, {html.escape(key)}: %{{y:.3g}}<extra></extra>")
+    if log:
+        fig.update_yaxes(**log_ticks(r[y] for r in rows))
     return fig
 
 
@@ -618,4 +622,5 @@ def weights_kv_positions(result: Any, weights: str, title: str | None = None) ->
         fig.add_scatter(y=[max(v, 1e-9) for v in r["decode_kl"]], mode="lines", name=f"{weights} + {r['kv']}",
                         line={"color": st["color"], "dash": "solid" if r["kv"] == BASELINE else "dot"},
                         hovertemplate="token %{x}: KL %{y:.3g}<extra>" + html.escape(r["kv"]) + "</extra>")
+    fig.update_yaxes(**log_ticks(max(v, 1e-9) for r in rows for v in r["decode_kl"]))
     return fig
