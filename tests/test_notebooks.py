@@ -28,3 +28,44 @@ def test_notebook_is_clean(path: Path) -> None:
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, f"{path.name}: outputs not cleared"
             assert "plotly" not in cell.source or "renderers.default" not in cell.source, "keep plotly's renderer"
+
+
+def _count(node, marker: str) -> int:
+    """How often `marker` occurs in the strings of a nested dict/list (a notebook's outputs, its widget state)."""
+    if isinstance(node, str):
+        return node.count(marker)
+    if isinstance(node, dict):
+        return sum(_count(v, marker) for v in node.values())
+    if isinstance(node, list):
+        return sum(_count(v, marker) for v in node)
+    return 0
+
+
+def test_plotlyjs_is_saved_once_in_the_importing_cell(tmp_path: Path) -> None:
+    """An executed notebook holds plotly.js once (in the cell that imports the lab), not per figure and not inside
+    the first widget that draws one; every figure's HTML (what an HTML export shows) uses that copy."""
+    from nbclient import NotebookClient
+    from plotly.offline import get_plotlyjs
+
+    code = nbformat.v4.new_code_cell
+    nb = nbformat.v4.new_notebook(cells=[
+        code("import ipywidgets as W\nimport plotly.graph_objects as go\n\nfrom gmlx_lab import viz"),
+        code("W.interactive(lambda n=1: go.Figure(go.Bar(y=[n])).show(), n=(1, 3))"),  # first figure: in a widget
+        code("go.Figure(go.Bar(y=[1, 2]))"),
+        code("go.Figure(go.Bar(y=[2, 1])).show()"),
+    ])
+    client = NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    with client.setup_kernel():
+        for i, cell in enumerate(nb.cells):
+            client.execute_cell(cell, i)
+        client.execute_cell(nb.cells[0], 0)  # the importing cell again, in the same kernel: its new output
+        client.execute_cell(nb.cells[2], 2)  # replaces the old one, library and all
+        client.set_widgets_metadata()
+    marker = get_plotlyjs()[:300]
+    assert _count(nb, marker) == 1, "plotly.js must be saved exactly once"
+    assert _count(nb.cells[0].outputs, marker) == 1
+    for cell in nb.cells[2:]:
+        (html,) = [o.data["text/html"] for o in cell.outputs if "text/html" in o.get("data", {})]
+        assert "Plotly.newPlot" in html and marker not in html
+        assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in cell.outputs)  # JupyterLab's
+    assert len(json.dumps(nb)) < len(get_plotlyjs()) + 100_000  # the library once; the figures are small

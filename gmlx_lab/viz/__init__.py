@@ -1,14 +1,13 @@
 """Figures for the notebooks: plotly builders, quantization helpers, cache sizes and published figures.
 
 Importing this module inside a Jupyter kernel whose plotly renderer is the plain
-`plotly_mimetype` switches it to `plotly_mimetype+notebook`: JupyterLab still
-draws the mimetype (offline, bundled plotly.js), and an HTML export gets the
-figure with plotly.js embedded (never the CDN). A renderer you chose is kept.
+`plotly_mimetype` displays plotly.js once, in the importing cell's output, and
+draws each figure as the mimetype (JupyterLab, offline) plus HTML that uses that
+one copy (an HTML export; never the CDN): `plotlyjs.py`. A renderer you chose is kept.
 """
 
-import plotly.io as _pio
-
 from ..records import record_bytes
+from . import plotlyjs
 from .code import Source, source
 from .figures import (
     REGION_COLORS,
@@ -65,7 +64,7 @@ from .sources import (
     dense_bytes_per_token,
     family_curves,
 )
-from .style import figure_problems, num, scheme_color, scheme_colors, trace_styles
+from .style import context_ticks, figure_problems, log_ticks, num, scheme_color, scheme_colors, trace_styles
 from .tradeoff import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
 
 __all__ = [
@@ -81,17 +80,16 @@ __all__ = [
     "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
 __all__ += ["Say", "say"]
+__all__ += ["context_ticks", "log_ticks"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 
-def _offline_export_renderer() -> None:
+def _install_plotlyjs() -> None:
     try:
         from IPython import get_ipython
     except ImportError:
         return
-    shell = get_ipython()
-    if shell is not None and "IPKernelApp" in shell.config and _pio.renderers.default == "plotly_mimetype":
-        _pio.renderers.default = "plotly_mimetype+notebook"
+    plotlyjs.install(get_ipython())
 
 
-_offline_export_renderer()
+_install_plotlyjs()
