@@ -57,10 +57,19 @@ def bytes_label(n: float) -> str:
 
 def growth_figure(curves: dict[str, tuple[list[int], list[float]]],
                   title: str = "KV cache size vs context") -> go.Figure:
-    """Lines of cache bytes against context, one per name: {name: (contexts, bytes)}."""
+    """Lines of cache bytes against context, one per name: {name: (contexts, bytes)}.
+
+    Names with exactly the same sizes share one line, named for all of them ("deepseek_v3 & kimi_k2 (same
+    sizes)"), so no line hides another.
+    """
     fig = _fig(title=title, xaxis_title="context (tokens)", yaxis_title="cache (MiB)", height=420)
-    styles = trace_styles(curves)
+    groups: dict[tuple[tuple[float, ...], tuple[float, ...]], list[str]] = {}
     for name, (ctx, size) in curves.items():
+        groups.setdefault((tuple(map(float, ctx)), tuple(map(float, size))), []).append(name)
+    lines = {names[0] if len(names) == 1 else f"{' & '.join(names)} (same sizes)": curves[names[0]]
+             for names in groups.values()}
+    styles = trace_styles(lines)
+    for name, (ctx, size) in lines.items():
         st = styles[name]
         fig.add_scatter(x=ctx, y=np.asarray(size) / 2**20, mode="lines+markers", name=name,
                         line={"color": st["color"], "dash": st["dash"]}, marker={"symbol": st["symbol"]},

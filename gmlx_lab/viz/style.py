@@ -213,6 +213,20 @@ def _axis_values(fig: go.Figure, key: str) -> list[float]:
     return out
 
 
+def _drawn_key(trace: Any) -> tuple[Any, ...] | None:
+    """What a line or marker trace puts on the page: its axes, points and line width (colour aside)."""
+    if trace.type not in ("scatter", "scattergl") or trace.visible is False:
+        return None
+    try:
+        x, y = (tuple(float(v) for v in _values(getattr(trace, a))) for a in ("x", "y"))
+    except (TypeError, ValueError):
+        return None
+    if not y:
+        return None
+    width = trace.line.width if getattr(trace, "line", None) is not None else None
+    return trace.xaxis, trace.yaxis, x or tuple(range(len(y))), y, width
+
+
 def _log_axis_problem(fig: go.Figure, key: str) -> str | None:
     """A log axis left to plotly's automatic ticks, or whose whole-decade ticks label fewer than two decades."""
     axis = fig.layout[key]
@@ -242,6 +256,7 @@ def figure_problems(fig: go.Figure) -> list[str]:
     """What in `fig` breaks the lab's figure rules, one sentence each (an empty list: none).
 
     - two legend entries with the same name, or two traces on the same axes with the same colour, dash and marker;
+    - two line/marker traces on the same axes with the same points and line width (one hides the other);
     - an axis that shows data (every xaxis*/yaxis* a trace uses) without a title, unless it is hidden or shares
       the title of an axis it matches;
     - a log axis that shows data with plotly's automatic ticks, or with whole-decade ticks of which fewer than two
@@ -254,6 +269,7 @@ def figure_problems(fig: go.Figure) -> list[str]:
     layout = fig.layout
     legend_names: dict[str, int] = {}
     styles: dict[tuple[Any, ...], int] = {}
+    drawn: dict[tuple[Any, ...], int] = {}
     used_axes: set[str] = set()
     for i, tr in enumerate(fig.data):
         who = f"trace {i} ({tr.name or tr.type})"
@@ -270,6 +286,12 @@ def figure_problems(fig: go.Figure) -> list[str]:
             if key in styles:
                 problems.append(f"{who} has the colour, dash and marker of trace {styles[key]} on the same axes")
             styles.setdefault(key, i)
+        same = _drawn_key(tr)
+        if same is not None:
+            if same in drawn:
+                problems.append(f"{who} draws exactly the line of trace {drawn[same]}, which hides one of them: "
+                                "draw them as one trace named for both, or tell them apart (e.g. line width)")
+            drawn.setdefault(same, i)
         problems += _text_problems(f"{who} name", [tr.name])
         text = getattr(tr, "text", None)
         template = getattr(tr, "texttemplate", None)
