@@ -301,3 +301,10 @@ def test_checker_flags_a_line_hidden_under_another_and_growth_figure_merges_twin
     merged = viz.growth_figure({"deepseek_v3": ([0, 1], [1, 2]), "llama": ([0, 1], [1, 3]),
                                 "kimi_k2": ([0, 1], [1, 2])})
     assert [t.name for t in merged.data] == ["deepseek_v3 & kimi_k2 (same sizes)", "llama"]
+
+
+def test_position_kl_figure_leaves_kl_zero_as_gaps_not_a_cliff() -> None:
+    fig = viz.position_kl_figure(_fidelity_dict())
+    assert [t.name for t in fig.data] == ["kvarn4 tail=0", "kvarn4 tail=128"]  # tail=1024 is KL 0 everywhere
+    assert all(y is None or y > 1e-6 for t in fig.data for y in t.y)  # no point pulled down to a floor
+    assert any("nothing quantized): kvarn4 tail=1024" in (a.text or "") for a in fig.layout.annotations)

@@ -25,6 +25,7 @@ REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail"
 REGION_NAMES = {"sink": "sink (fp16)", "body": "records (quantized)", "live": "live group (fp16)",
                 "tail": "tail (fp16)"}
 BASELINE_LINE = {"color": "#555555", "dash": "dot", "width": 1.5}  # every drawn baseline
+LABEL_BACKGROUND = "rgba(255,255,255,0.85)"  # behind a baseline's label, so bars under it do not hide it
 _LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 60, "b": 50}}
 
 
@@ -40,10 +41,10 @@ def _baseline(fig: go.Figure, y: float, text: str, log: bool = False, **where: A
     if log:  # plotly places a log axis's annotations in log10 units
         fig.add_hline(y=y, line=BASELINE_LINE, **where)
         fig.add_annotation(text=text, x=1, xref="paper", y=np.log10(y), yanchor="bottom", xanchor="right",
-                           showarrow=False, font=font)
+                           showarrow=False, font=font, bgcolor=LABEL_BACKGROUND)
         return
     fig.add_hline(y=y, line=BASELINE_LINE, annotation_text=text, annotation_position="top right",
-                  annotation_font=font, **where)
+                  annotation_font=font, annotation_bgcolor=LABEL_BACKGROUND, **where)
 
 
 def bytes_label(n: float) -> str:
@@ -256,8 +257,9 @@ def normalize_toy_figure(tile: np.ndarray, scaled: np.ndarray, round_: int, imba
     """A small tile after `round_` normalization rounds: its values (heatmap) and each row's and column's spread."""
     row_std, col_std = scaled.std(1, ddof=1), scaled.std(0, ddof=1)
     fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.3, 0.3], horizontal_spacing=0.1,
-                        subplot_titles=("scaled tile (red +, blue −)", "spread of each row", "spread of each column"))
-    lim = float(np.abs(tile).max())
+                        subplot_titles=("scaled tile (red +, blue −; scale: this round's largest)",
+                                        "spread of each row", "spread of each column"))
+    lim = float(np.abs(scaled).max()) or 1.0  # each round on its own colour scale: values shrink as rounds divide
     fig.add_heatmap(z=scaled, row=1, col=1, colorscale="RdBu_r", zmid=0, zmin=-lim, zmax=lim, showscale=False,
                     hovertemplate="row %{y}, col %{x}: %{z:.3g}<extra></extra>")
     fig.add_bar(x=np.arange(row_std.size), y=row_std, row=1, col=2, marker_color="#d62728", name="row std",
@@ -420,31 +422,39 @@ def kl_strip(kl: np.ndarray, labels: list[str] | None = None, title: str = "KL p
 def position_kl_figure(result: Any, title: str | None = None) -> go.Figure:
     """KL(fp16 || scheme) per position for each scheme of a `fidelity` result (prefill, then decode).
 
-    Variants of a scheme get shades and decreasing widths, so a line lying on another stays visible;
-    KL of exactly 0 (a scheme that stored nothing quantized) is drawn at the floor 1e-9 and says so.
+    Variants of a scheme get shades and decreasing widths, so a line lying on another stays visible. A log axis
+    cannot show KL 0: such positions are gaps in their line (no false cliff down to a floor), and a scheme with KL 0
+    everywhere (it stored nothing quantized) is named in a note instead of drawn.
     """
     data = experiment_data(result)
     schemes = data["schemes"]
-    labels = [s["label"] for s in schemes]
-    styles = trace_styles(labels)
+    styles = trace_styles(s["label"] for s in schemes)
     fig = _fig(title=title or f"KL(fp16 || scheme) per position, {data['model']}", xaxis_title="position (token)",
-               yaxis_title="KL (nats, log)", yaxis_type="log", height=400)
-    for i, s in enumerate(schemes):
-        kl = list(s["prefill_kl"]) + list(s["decode_kl"])
-        zero = max(kl, default=0) == 0
-        name = s["label"] + (" (KL 0: nothing quantized)" if zero else "")
-        fig.add_scatter(x=list(range(len(kl))), y=[max(v, 1e-9) for v in kl], mode="lines", name=name,
-                        line={"color": styles[s["label"]]["color"], "width": max(4.5 - 1.5 * i, 1.2),
-                              "dash": "dot" if zero else "solid"},
-                        hovertemplate="position %{x}: KL %{y:.3g}<extra>" + html.escape(s["label"]) + "</extra>")
+               yaxis_title="KL (nats, log)", height=400)
+    kls = {s["label"]: [*s["prefill_kl"], *s["decode_kl"]] for s in schemes}
+    zero = [label for label, kl in kls.items() if max(kl, default=0) <= 0]
+    for i, (label, kl) in enumerate(kls.items()):
+        if label not in zero:
+            fig.add_scatter(x=list(range(len(kl))), y=[v if v > 0 else None for v in kl], mode="lines", name=label,
+                            line={"color": styles[label]["color"], "width": max(4.5 - 1.5 * i, 1.2)},
+                            connectgaps=False,
+                            hovertemplate="position %{x}: KL %{y:.3g}<extra>" + html.escape(label) + "</extra>")
     if schemes:
         fig.add_vline(x=len(schemes[0]["prefill_kl"]) - 0.5, line=BASELINE_LINE, annotation_text="decode starts")
-    nonzero = [i for s in schemes for i, v in enumerate(list(s["prefill_kl"]) + list(s["decode_kl"])) if v > 0]
+    notes = []
+    nonzero = [i for kl in kls.values() for i, v in enumerate(kl) if v > 0]
     if nonzero and min(nonzero) > 32:  # a long stretch of KL 0 (tokens attended in fp16): start the view near its end
-        fig.update_xaxes(range=[min(nonzero) - 24, max(len(s["prefill_kl"]) + len(s["decode_kl"]) for s in schemes)])
-        fig.add_annotation(text=f"KL is 0 before position {min(nonzero)} (zoom out to see it)", showarrow=False,
-                           xref="paper", yref="paper", x=0, y=1.06, xanchor="left", font={"size": 11})
-    fig.update_yaxes(**log_ticks(max(v, 1e-9) for s in schemes for v in [*s["prefill_kl"], *s["decode_kl"]]))
+        fig.update_xaxes(range=[min(nonzero) - 24, max(len(kl) for kl in kls.values())])
+        notes.append(f"KL is 0 before position {min(nonzero)} (zoom out to see it)")
+    if zero:
+        notes.append(f"KL 0 at every position (nothing quantized): {', '.join(zero)}")
+    if notes:
+        fig.add_annotation(text="<br>".join(notes), showarrow=False, xref="paper", yref="paper", x=0, y=1.02,
+                           xanchor="left", yanchor="bottom", align="left", font={"size": 11})
+        fig.update_layout(margin={**_LAYOUT["margin"], "t": 60 + 16 * len(notes)})
+    positive = [v for kl in kls.values() for v in kl if v > 0]
+    if positive:
+        fig.update_yaxes(type="log", **log_ticks(positive))
     return fig
 
 

@@ -104,9 +104,10 @@ def num(x: float, digits: int = 3) -> str:
 def log_ticks(values: Iterable[float], most: int = 8) -> dict[str, Any]:
     """Tick settings for a log axis over `values` (positive; others ignored) whose labels read at a glance.
 
-    Up to `most` ticks at 1, 2 and 5 times a power of ten inside the values' span, each labelled with `num`
-    (0.02, 0.05, 0.1, ...); over a wider span, whole decades only (10^-4, 10^-3, ..., every second one past
-    `most`). Never plotly's automatic log ticks, whose minor labels read "9, 100, 2, 3".
+    Up to `most` ticks at 1, 2 and 5 times a power of ten inside the values' span (over a narrow span also 1.5, 3,
+    4 and 7), each labelled with `num` (0.02, 0.05, 0.1, ...); over a wider span, whole decades only (10^-4,
+    10^-3, ..., every second one past `most`). Never plotly's automatic log ticks, whose minor labels read
+    "9, 100, 2, 3".
     `fig.update_yaxes(type="log", **log_ticks(errors))`.
     """
     v = np.asarray([x for x in np.ravel(np.asarray(list(values), dtype=float)) if np.isfinite(x) and x > 0])
@@ -114,9 +115,15 @@ def log_ticks(values: Iterable[float], most: int = 8) -> dict[str, Any]:
         raise ValueError("log_ticks needs at least one positive finite value")
     lo, hi = float(v.min()), float(v.max())
     first, last = int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi)))
-    nice = [m * 10.0**k for k in range(first, last + 1) for m in (1, 2, 5) if lo <= m * 10.0**k * (1 + 1e-9)
-            and m * 10.0**k <= hi * (1 + 1e-9)]
-    if len(nice) < 2:  # less than a factor 2 between the ends: the ends themselves
+
+    def inside(steps: tuple[float, ...]) -> list[float]:
+        return [float(num(m * 10.0**k)) for k in range(first, last + 1) for m in steps
+                if lo <= m * 10.0**k * (1 + 1e-9) and m * 10.0**k <= hi * (1 + 1e-9)]
+
+    nice = inside((1, 2, 5))
+    if len(nice) < 3:  # a narrow span (less than a decade or so): finer steps
+        nice = inside((1, 1.5, 2, 3, 4, 5, 7))
+    if len(nice) < 2:  # less than a factor 1.5 between the ends: the ends themselves
         nice = sorted({float(num(lo, 2)), float(num(hi, 2))})
     if len(nice) <= most:
         return {"tickvals": nice, "ticktext": [num(t) for t in nice]}
