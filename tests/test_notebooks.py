@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import occurrences
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
@@ -28,17 +29,6 @@ def test_notebook_is_clean(path: Path) -> None:
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, f"{path.name}: outputs not cleared"
             assert "plotly" not in cell.source or "renderers.default" not in cell.source, "keep plotly's renderer"
-
-
-def _count(node, marker: str) -> int:
-    """How often `marker` occurs in the strings of a nested dict/list (a notebook's outputs, its widget state)."""
-    if isinstance(node, str):
-        return node.count(marker)
-    if isinstance(node, dict):
-        return sum(_count(v, marker) for v in node.values())
-    if isinstance(node, list):
-        return sum(_count(v, marker) for v in node)
-    return 0
 
 
 def test_plotlyjs_is_saved_once_in_the_importing_cell(tmp_path: Path) -> None:
@@ -62,8 +52,8 @@ def test_plotlyjs_is_saved_once_in_the_importing_cell(tmp_path: Path) -> None:
         client.execute_cell(nb.cells[2], 2)  # replaces the old one, library and all
         client.set_widgets_metadata()
     marker = get_plotlyjs()[:300]
-    assert _count(nb, marker) == 1, "plotly.js must be saved exactly once"
-    assert _count(nb.cells[0].outputs, marker) == 1
+    assert occurrences(nb, marker) == 1, "plotly.js must be saved exactly once"
+    assert occurrences(nb.cells[0].outputs, marker) == 1
     for cell in nb.cells[2:]:
         (html,) = [o.data["text/html"] for o in cell.outputs if "text/html" in o.get("data", {})]
         assert "Plotly.newPlot" in html and marker not in html
