@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 from .. import records, window
 from ..policy import Policy
 from ..records import region_tokens
-from ..registry import BASELINE, SCHEMES
+from ..registry import BASELINE, SCHEMES, get_scheme
 from .quant import AffineRow, hadamard, outlier_ratio
 from .sizes import LayerShape, layer_bytes
 from .style import context_ticks, log_ticks, num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
@@ -384,14 +384,34 @@ def sink_layers_figure(mass: np.ndarray, sink: int = 1, even: float | None = Non
     return fig
 
 
+# fp16 cells of a policy strip, told apart: the scheme's layers, the rule's fp16 layers and these two
+STILL_LAYER = ("fp16: does not grow", "#e3e3e3")  # recurrent state, a sliding window: nothing to quantize
+DECLINED_LAYER = ("fp16: the scheme declines", "#3d3d3d")  # grows, but the scheme cannot store it (MLA, head dim)
+
+
+def _strip_category(p: Policy, d: Any) -> str:
+    """What a policy strip's cell shows: the scheme that took the layer, or why it is fp16."""
+    if d.decision != BASELINE:
+        return d.decision
+    if not d.grows:
+        return STILL_LAYER[0]
+    if p.scheme != BASELINE and get_scheme(p.scheme).declines(d.kind, d.k_head_dim, d.v_head_dim, p.options):
+        return DECLINED_LAYER[0]
+    return BASELINE  # kept fp16 by the policy's rule (the last of a deep stack) or by an override
+
+
 def policy_strip(policies: list[Policy], title: str | None = None) -> go.Figure:
-    """One row per policy (model and scheme), one cell per cache entry, coloured by decision; hover shows why."""
-    colors = scheme_colors()
+    """One row per policy (model and scheme), one cell per cache entry, coloured by decision; hover shows why.
+
+    fp16 cells come in three shades: a layer that does not grow (light), one the policy keeps fp16 (fp16's grey),
+    one the scheme declines (dark).
+    """
+    colors = {**scheme_colors(), STILL_LAYER[0]: STILL_LAYER[1], DECLINED_LAYER[0]: DECLINED_LAYER[1]}
     order = list(colors)
     n = max(len(p.layers) for p in policies)
     z, text, names = [], [], []
     for p in policies:
-        z.append([order.index(d.decision) for d in p.layers] + [None] * (n - len(p.layers)))
+        z.append([order.index(_strip_category(p, d)) for d in p.layers] + [None] * (n - len(p.layers)))
         pad = [""] * (n - len(p.layers))
         text.append([f"layer {d.index}: {d.kind}, {d.decision} ({d.reason})" for d in p.layers] + pad)
         names.append(f"{p.name} · {p.label} ({len(p.quantized)}/{sum(d.grows for d in p.layers)})")
@@ -402,7 +422,8 @@ def policy_strip(policies: list[Policy], title: str | None = None) -> go.Figure:
         scale += [[i / len(order), colors[name]], [(i + 1) / len(order), colors[name]]]
     labels = list(dict.fromkeys(p.label for p in policies))
     fig = _fig(title=title or f"per-layer decisions under {', '.join(labels)} (quantized / growing layers)",
-               xaxis_title="cache entry (layer)", yaxis_title="model · scheme", height=140 + 36 * len(policies))
+               xaxis_title="cache entry (layer)", yaxis_title="model · scheme",
+               height=max(300, 140 + 36 * len(policies)))  # room for the colour bar's six labels
     fig.add_heatmap(z=z, text=text, hoverinfo="text", y=names, colorscale=scale, zmin=-0.5,
                     zmax=len(order) - 0.5, xgap=2, ygap=2,
                     colorbar={"tickvals": list(range(len(order))), "ticktext": order, "title": "decision"})
