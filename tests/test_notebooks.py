@@ -59,3 +59,12 @@ def test_plotlyjs_is_saved_once_in_the_importing_cell(tmp_path: Path) -> None:
         assert "Plotly.newPlot" in html and marker not in html
         assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in cell.outputs)  # JupyterLab's
     assert len(json.dumps(nb)) < len(get_plotlyjs()) + 100_000  # the library once; the figures are small
+
+
+def test_plotlyjs_changes_nothing_outside_a_kernel() -> None:
+    import plotly.io as pio
+
+    from gmlx_lab.viz import plotlyjs
+
+    before = pio.renderers.default
+    assert plotlyjs.install(None) is False and pio.renderers.default == before
