@@ -82,10 +82,13 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 
 def _settings(folder: Path) -> None:
-    """No news toast over the screenshots; every cell rendered (no windowing), so prompts and outputs can be read."""
+    """No news toast over the screenshots; every cell rendered (no windowing), so prompts and outputs can be read;
+    no autosave."""
     for plugin, values in {
         "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
         "notebook-extension/tracker": {"windowingMode": "none"},
+        # the test saves once, at the end: an autosave during a long run made JupyterLab ask "File Changed"
+        "docmanager-extension/plugin": {"autosave": False},
     }.items():
         path = folder / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,15 +172,20 @@ class Browser:
 
         self.page.keyboard.press("Control+s")
         expect(self.page.locator(".jp-mod-dirty")).to_have_count(0, timeout=30_000)
+        expect(self.page.locator(".jp-Dialog")).to_have_count(0)  # no "File Changed" or other question
 
     def screenshots(self, panel, folder: Path) -> list[Path]:
         """The notebook panel, top to bottom, one screen at a time."""
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         scroller = panel.locator(".jp-WindowedPanel-outer").first
-        height, screen = scroller.evaluate("e => [e.scrollHeight, e.clientHeight]")
+        # the content's end: the last cell's bottom (JupyterLab pads the panel with blank space after it)
+        end, screen = scroller.evaluate("e => { const cells = e.querySelectorAll('.jp-Cell'); "
+                                        "const last = cells[cells.length - 1].getBoundingClientRect(); "
+                                        "return [last.bottom - e.getBoundingClientRect().top + e.scrollTop + 20, "
+                                        "e.clientHeight]; }")
         step = max(200, screen - 80)  # a little overlap between screens
-        last = max(0, height - screen)
+        last = max(0, int(end) - screen)
         shots = []
         for i, top in enumerate([*range(0, last, step), last]):
             scroller.evaluate(f"e => e.scrollTo(0, {top})")

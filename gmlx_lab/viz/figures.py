@@ -257,8 +257,7 @@ def normalize_toy_figure(tile: np.ndarray, scaled: np.ndarray, round_: int, imba
     """A small tile after `round_` normalization rounds: its values (heatmap) and each row's and column's spread."""
     row_std, col_std = scaled.std(1, ddof=1), scaled.std(0, ddof=1)
     fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.3, 0.3], horizontal_spacing=0.1,
-                        subplot_titles=("scaled tile (red +, blue −; scale: this round's largest)",
-                                        "spread of each row", "spread of each column"))
+                        subplot_titles=("scaled tile (red +, blue −)", "spread of each row", "spread of each column"))
     lim = float(np.abs(scaled).max()) or 1.0  # each round on its own colour scale: values shrink as rounds divide
     fig.add_heatmap(z=scaled, row=1, col=1, colorscale="RdBu_r", zmid=0, zmin=-lim, zmax=lim, showscale=False,
                     hovertemplate="row %{y}, col %{x}: %{z:.3g}<extra></extra>")
@@ -287,7 +286,7 @@ def code_histogram(rec: records.Records) -> go.Figure:
                yaxis_title="count (codes in the record)", height=300, bargap=0.05)
     fig.add_bar(x=np.arange(counts.size), y=counts, marker_color="#ff7f0e", name="codes",
                 hovertemplate="code %{x}: %{y} times<extra></extra>")
-    _baseline(fig, q.size / levels, f"even spread: {num(q.size / levels)} each")
+    _baseline(fig, q.size / levels, f"even spread: {num(q.size / levels, 4)} each")
     return fig
 
 
@@ -395,7 +394,8 @@ def _strip_category(p: Policy, d: Any) -> str:
         return d.decision
     if not d.grows:
         return STILL_LAYER[0]
-    if p.scheme != BASELINE and get_scheme(p.scheme).declines(d.kind, d.k_head_dim, d.v_head_dim, p.options):
+    why = p.scheme != BASELINE and get_scheme(p.scheme).declines(d.kind, d.k_head_dim, d.v_head_dim, p.options)
+    if why and why in d.reason:  # the scheme's own reason, not the policy's (the last of a deep stack)
         return DECLINED_LAYER[0]
     return BASELINE  # kept fp16 by the policy's rule (the last of a deep stack) or by an override
 
