@@ -22,10 +22,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .fidelity import AuditReport, audit, fp16_equivalent, spec_policy
+from .measure.audit import AuditReport, audit, fp16_equivalent
+from .measure.tradeoff import TradeoffPoint
 from .policy import PromptCache, policy
 from .registry import BASELINE, get_scheme
-from .tradeoff import TradeoffPoint
+from .specs import spec_policy
 
 __all__ = ["LiveColumn", "LiveCompare", "holdings", "quantized_tokens"]
 

@@ -7,8 +7,8 @@ import pytest
 
 import gmlx_lab
 from gmlx_lab import kv_inspect, widgets
-from gmlx_lab.fidelity import fidelity
 from gmlx_lab.live import LiveCompare, quantized_tokens
+from gmlx_lab.measure.fidelity import fidelity
 
 
 @pytest.fixture(scope="module")

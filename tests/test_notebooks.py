@@ -58,7 +58,7 @@ def test_plotlyjs_is_saved_once_in_the_importing_cell(tmp_path: Path) -> None:
         (html,) = [o.data["text/html"] for o in cell.outputs if "text/html" in o.get("data", {})]
         assert "Plotly.newPlot" in html and marker not in html
         assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in cell.outputs)  # JupyterLab's
-    assert len(json.dumps(nb)) < len(get_plotlyjs()) + 100_000  # the library once; the figures are small
+    assert len(json.dumps(nb)) < len(json.dumps(get_plotlyjs())) + 100_000  # the library once; figures are small
 
 
 def test_plotlyjs_changes_nothing_outside_a_kernel() -> None:

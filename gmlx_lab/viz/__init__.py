@@ -6,6 +6,7 @@ draws each figure as the mimetype (JupyterLab, offline) plus HTML that uses that
 one copy (an HTML export; never the CDN): `plotlyjs.py`. A renderer you chose is kept.
 """
 
+from ..measure.sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from ..records import record_bytes
 from . import plotlyjs
 from .code import Source, source
@@ -55,7 +56,6 @@ from .quant import (
     record_of,
 )
 from .say import Say, say
-from .sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from .sources import (
     GMLX_KL_TABLE,
     LLAMA_CPP_ROTATION_PPL,
