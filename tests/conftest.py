@@ -66,6 +66,17 @@ def model() -> llama.Model:
     return tiny_llama()
 
 
+def occurrences(node, marker: str) -> int:
+    """How often `marker` occurs in the strings of a nested dict/list (a notebook, its outputs, its widget state)."""
+    if isinstance(node, str):
+        return node.count(marker)
+    if isinstance(node, dict):
+        return sum(occurrences(v, marker) for v in node.values())
+    if isinstance(node, list):
+        return sum(occurrences(v, marker) for v in node)
+    return 0
+
+
 def random_kv(tokens: int, heads: int = 2, dim: int = 128, seed: int = 0) -> tuple[mx.array, mx.array]:
     """Random K/V with a few outlier channels in K, as real models have."""
     mx.random.seed(seed)

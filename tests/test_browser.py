@@ -1,10 +1,15 @@
-"""Notebooks 06 and 03 in a real browser: JupyterLab headless, run all cells, drive 06's live compare.
+"""Every notebook in a real browser: JupyterLab headless, Run All, no error, a screenshot of each; 06's live compare
+driven and 03's records shown (the README's images).
 
-Needs Debian's chromium (`bash tools/system_deps.sh`) and the Python playwright
-package (`pip install -e .[test]`); Playwright's own browser download is never
-used. Every request that is not to localhost is aborted and fails the test, so
-the figures and widgets are proven to render offline. The screenshots go to
-docs/images/notebook06.png and notebook03.png (the README shows them).
+Needs Debian's chromium (`bash tools/system_deps.sh`) and the Python playwright package (`pip install -e .[test]`);
+Playwright's own browser download is never used. One JupyterLab server and one browser serve every notebook, each
+notebook on a fresh workspace whose kernel is shut down after it. Every request that is not to localhost is aborted
+and fails the test, so figures and widgets are proven to render offline.
+
+Screenshots: build/screenshots/NN_name/page-KK.png (git-ignored), the notebook panel from top to bottom one screen
+at a time, so a person (or an agent with an image viewer) can read each notebook as a learner sees it; plus
+docs/images/notebook06.png and notebook03.png. The notebook is saved from JupyterLab after the run, so its error
+outputs are read from the file and its saved size is checked: plotly.js once (gmlx_lab/viz/plotlyjs.py).
 """
 
 from __future__ import annotations
@@ -19,15 +24,20 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
+from conftest import occurrences
+from plotly.offline import get_plotlyjs
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "notebooks" / "06_live_compare.ipynb"
-RECORDS = ROOT / "notebooks" / "03_kvarn_records.ipynb"
-SCREENSHOT = ROOT / "docs" / "images" / "notebook06.png"
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SHOTS = ROOT / "build" / "screenshots"
+SCREENSHOT_06 = ROOT / "docs" / "images" / "notebook06.png"
 SCREENSHOT_03 = ROOT / "docs" / "images" / "notebook03.png"
 CHROMIUM = Path(os.environ.get("GMLX_CHROMIUM", "/usr/bin/chromium"))
 HOW_TO_INSTALL = "install them with `bash tools/system_deps.sh` (chromium) and `pip install -e .[test]` (playwright)"
+RUN_TIMEOUT_S = 900  # Run All of the slowest notebook (04 or 10: Gemma) on 2 shared CPU cores
+VIEWPORT = {"width": 1400, "height": 1000}
 
 
 def _missing() -> list[str]:
@@ -70,49 +80,65 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise TimeoutError(f"JupyterLab did not answer {url} within {timeout} s")
 
 
-@pytest.fixture()
-def lab(tmp_path: Path):
-    """A JupyterLab server on a free localhost port, serving temporary copies of notebooks 06 and 03."""
-    _require_browser()
-    root = tmp_path / "root"
-    root.mkdir()
-    for notebook in (NOTEBOOK, RECORDS):
-        shutil.copy(notebook, root / notebook.name)
-    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    port, token = _free_port(), "gmlx-lab-test"
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}",
-         # A fresh workspace each time: the default one (~/.jupyter/lab/workspaces) reopens the previous test's
-         # notebook in a hidden tab, whose saved plots then match this test's locators.
-         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(f"{base}/api/status?token={token}", proc)
-        yield base, token
-    finally:
+def _settings(folder: Path) -> None:
+    """No news toast over the screenshots; every cell rendered (no windowing), so prompts and outputs can be read;
+    no autosave."""
+    for plugin, values in {
+        "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+        "notebook-extension/tracker": {"windowingMode": "none"},
+        # the test saves once, at the end: an autosave during a long run made JupyterLab ask "File Changed"
+        "docmanager-extension/plugin": {"autosave": False},
+    }.items():
+        path = folder / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+
+
+class Lab:
+    """A JupyterLab server on a free localhost port, serving temporary copies of the notebooks."""
+
+    def __init__(self, tmp: Path):
+        self.root = tmp / "root"
+        shutil.copytree(ROOT / "notebooks", self.root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        _settings(tmp / "settings")
+        port, self.token = _free_port(), "gmlx-lab-test"
+        env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"), "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+             f"--ServerApp.root_dir={self.root}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.base = f"http://127.0.0.1:{port}"
+        _wait_ready(self.api("status"), self.proc)
+
+    def api(self, path: str) -> str:
+        return f"{self.base}/api/{path}?token={self.token}"
+
+    def shutdown_kernels(self) -> None:
+        """Stop every running kernel (the notebook just run), so the next one has the machine's memory."""
+        with urllib.request.urlopen(self.api("kernels"), timeout=10) as r:
+            kernels = json.load(r)
+        for k in kernels:
+            req = urllib.request.Request(self.api(f"kernels/{k['id']}"), method="DELETE")
+            urllib.request.urlopen(req, timeout=30)
+
+    def close(self) -> None:
         try:
-            req = urllib.request.Request(f"{base}/api/shutdown?token={token}", method="POST")
+            req = urllib.request.Request(self.api("shutdown"), method="POST")
             urllib.request.urlopen(req, timeout=5)
-            proc.wait(timeout=15)
+            self.proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
+            self.proc.kill()
+            self.proc.wait()
 
 
-class _Browser:
+class Browser:
     """Headless chromium on the lab, every request outside localhost aborted and recorded."""
 
-    def __init__(self, playwright, base: str, token: str):
-        self.base, self.token, self.outside = base, token, []
+    def __init__(self, playwright, lab: Lab):
+        self.lab, self.outside = lab, []
         self.browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        self.page = self.browser.new_page(viewport={"width": 1500, "height": 2000})
+        self.page = self.browser.new_page(viewport=VIEWPORT)
         self.page.route("**/*", self.guard)
 
     def guard(self, route) -> None:
@@ -124,49 +150,103 @@ class _Browser:
             route.abort()
 
     def run_all(self, name: str):
-        """Open a notebook, wait for its kernel, run every cell, and return the locator of its panel."""
+        """Open a notebook on a fresh workspace, wait for its kernel, run every cell, wait until all ran; return
+        the locator of its panel."""
         from playwright.sync_api import expect
 
         page = self.page
-        page.goto(f"{self.base}/lab/tree/{name}?token={self.token}")
+        page.goto(f"{self.lab.base}/lab/workspaces/{name.split('.')[0]}/tree/{name}?reset&token={self.lab.token}")
         panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")  # the notebook's own tab, not another one
         expect(panel.locator(".jp-Cell").first).to_be_visible()
         expect(page.locator("#jp-main-statusbar .jp-StatusBar-TextItem", has_text="| Idle").first).to_be_visible()
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        self.wait_until_run(name)
         return panel
 
+    def wait_until_run(self, name: str) -> None:
+        """Save every few seconds and read the file until every code cell has its execution count (JupyterLab sets
+        it when the cell's run ends; a cell whose input is folded shows no prompt to read) or one holds an error."""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.page.wait_for_timeout(3000)
+            self.page.keyboard.press("Control+s")
+            self.page.wait_for_timeout(500)
+            try:
+                cells = [c for c in nbformat.read(self.lab.root / name, as_version=4).cells if c.cell_type == "code"]
+            except (OSError, ValueError):
+                continue  # caught mid-write: read it next time
+            if all(c.execution_count is not None for c in cells) or any(
+                    o.output_type == "error" for c in cells for o in c.outputs):
+                return
+        raise TimeoutError(f"{name}: not every cell ran within {RUN_TIMEOUT_S} s")
 
-@pytest.fixture()
-def browser(lab, monkeypatch):
+    def save(self) -> None:
+        from playwright.sync_api import expect
+
+        self.page.keyboard.press("Control+s")
+        expect(self.page.locator(".jp-mod-dirty")).to_have_count(0, timeout=30_000)
+        expect(self.page.locator(".jp-Dialog")).to_have_count(0)  # no "File Changed" or other question
+
+    def screenshots(self, panel, folder: Path) -> list[Path]:
+        """The notebook panel, top to bottom, one screen at a time."""
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        scroller = panel.locator(".jp-WindowedPanel-outer").first
+        # the content's end: the last cell's bottom (JupyterLab pads the panel with blank space after it)
+        end, screen = scroller.evaluate("e => { const cells = e.querySelectorAll('.jp-Cell'); "
+                                        "const last = cells[cells.length - 1].getBoundingClientRect(); "
+                                        "return [last.bottom - e.getBoundingClientRect().top + e.scrollTop + 20, "
+                                        "e.clientHeight]; }")
+        step = max(200, screen - 80)  # a little overlap between screens
+        last = max(0, int(end) - screen)
+        shots = []
+        for i, top in enumerate([*range(0, last, step), last]):
+            scroller.evaluate(f"e => e.scrollTo(0, {top})")
+            self.page.wait_for_timeout(400)  # plotly redraws what comes into view
+            shots.append(folder / f"page-{i + 1:02d}.png")
+            panel.screenshot(path=str(shots[-1]))
+        return shots
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory):
+    _require_browser()
+    server = Lab(tmp_path_factory.mktemp("lab"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def browser(lab: Lab):
     from playwright.sync_api import expect, sync_playwright
 
-    # `make test` preloads OpenBLAS for MLX; inside Playwright's node driver and chromium it breaks thread creation.
-    # The JupyterLab kernel (started above) keeps it.
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
     expect.set_options(timeout=120_000)  # first plotly import and model load on 2 CPU cores
-    with sync_playwright() as p:
-        b = _Browser(p, *lab)
-        try:
-            yield b
-        finally:
-            b.browser.close()
-    assert not b.outside, f"the notebook tried to reach outside localhost: {b.outside[:5]}"
+    with pytest.MonkeyPatch.context() as mp:
+        # `make test` preloads OpenBLAS for MLX; inside Playwright's node driver and chromium it breaks thread
+        # creation. The JupyterLab server (started above) and its kernels keep it.
+        mp.delenv("LD_PRELOAD", raising=False)
+        with sync_playwright() as p:
+            b = Browser(p, lab)
+            try:
+                yield b
+            finally:
+                b.browser.close()
+    assert not b.outside, f"a notebook tried to reach outside localhost: {b.outside[:5]}"
 
 
-def test_notebook06_streams_every_scheme_in_columns(browser) -> None:
+def _live_compare_streams(browser: Browser, panel) -> None:
+    """06: the live compare streams every scheme in columns, token by token, and shows kvarn's regions."""
     from playwright.sync_api import expect
 
     page = browser.page
-    panel = browser.run_all(NOTEBOOK.name)
     app = panel.locator(".gmlx-compare").first
-    status = app.locator(".widget-html", has_text="done:").first
-    expect(status).to_be_visible(timeout=300_000)  # the first generation runs when the app is built
-    expect(panel.locator(".jp-InputPrompt", has_text="[*]")).to_have_count(0, timeout=300_000)
+    expect(app.locator(".widget-html", has_text="done:").first).to_be_visible(timeout=300_000)
     columns = app.locator(".gmlx-column")
     n_columns = columns.count()
     assert n_columns >= 4  # fp16, affine, affine_rot, kvarn (and any other registered scheme)
-
     app.locator("button", has_text="Generate").click()
     expect(app.locator("button", has_text="Generating")).to_be_visible()
     seen = set()  # tokens in the first quantized column while streaming: the text grows, it does not jump
@@ -180,22 +260,45 @@ def test_notebook06_streams_every_scheme_in_columns(browser) -> None:
         assert tokens >= 60, f"column {i} holds {tokens} tokens"
     assert "sink 128" in app.inner_text() and "records" in app.inner_text()  # what kvarn's cache holds
     expect(app.locator(".js-plotly-plot .gtitle").first).to_contain_text("equal memory")
-
     app.scroll_into_view_if_needed()
     page.wait_for_timeout(500)
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    app.screenshot(path=str(SCREENSHOT))
+    SCREENSHOT_06.parent.mkdir(parents=True, exist_ok=True)
+    app.screenshot(path=str(SCREENSHOT_06))
 
 
-def test_notebook03_records_render(browser) -> None:
-    from playwright.sync_api import expect
-
-    page = browser.page
-    panel = browser.run_all(RECORDS.name)
-    plots = panel.locator(".jp-Cell .js-plotly-plot")
-    expect(plots.first).to_be_visible(timeout=300_000)
-    expect(panel.locator(".jp-InputPrompt", has_text="[*]")).to_have_count(0, timeout=300_000)
-    cell = panel.locator(".jp-Cell", has=page.locator(".js-plotly-plot")).first
+def _records_render(browser: Browser, panel) -> None:
+    """03: the record figure renders; its cell is the README's image."""
+    cell = panel.locator(".jp-Cell", has=browser.page.locator(".js-plotly-plot")).first
     cell.scroll_into_view_if_needed()
-    page.wait_for_timeout(500)
+    browser.page.wait_for_timeout(500)
+    SCREENSHOT_03.parent.mkdir(parents=True, exist_ok=True)
     cell.screenshot(path=str(SCREENSHOT_03))
+
+
+CHECKS = {"06": _live_compare_streams, "03": _records_render}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_in_jupyterlab(browser: Browser, lab: Lab, path: Path) -> None:
+    start = time.monotonic()
+    try:
+        panel = browser.run_all(path.name)
+        shown = panel.locator(".jp-OutputArea-output").filter(has_text="Traceback (most recent call last)")
+        assert shown.count() == 0, f"{path.name} shows a traceback: {shown.first.inner_text()[:2000]}"
+        if path.name[:2] in CHECKS:
+            CHECKS[path.name[:2]](browser, panel)
+        browser.save()
+        shots = browser.screenshots(panel, SHOTS / path.stem)
+    finally:
+        lab.shutdown_kernels()
+    saved = lab.root / path.name
+    nb = nbformat.read(saved, as_version=4)
+    errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: error outputs (cell, name, value): {errors}"
+    size = saved.stat().st_size
+    copies = occurrences(nb, get_plotlyjs()[:300])
+    assert copies <= 1, f"{path.name} saved from JupyterLab holds plotly.js {copies} times ({size} bytes)"
+    print(f"\n[browser] {path.name}: {time.monotonic() - start:.0f} s, saved {size / 1e6:.2f} MB "
+          f"(plotly.js {copies}x), "
+          f"{len(shots)} screenshots in {shots[0].parent.relative_to(ROOT)}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import occurrences
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
@@ -28,3 +29,42 @@ def test_notebook_is_clean(path: Path) -> None:
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, f"{path.name}: outputs not cleared"
             assert "plotly" not in cell.source or "renderers.default" not in cell.source, "keep plotly's renderer"
+
+
+def test_plotlyjs_is_saved_once_in_the_importing_cell(tmp_path: Path) -> None:
+    """An executed notebook holds plotly.js once (in the cell that imports the lab), not per figure and not inside
+    the first widget that draws one; every figure's HTML (what an HTML export shows) uses that copy."""
+    from nbclient import NotebookClient
+    from plotly.offline import get_plotlyjs
+
+    code = nbformat.v4.new_code_cell
+    nb = nbformat.v4.new_notebook(cells=[
+        code("import ipywidgets as W\nimport plotly.graph_objects as go\n\nfrom gmlx_lab import viz"),
+        code("W.interactive(lambda n=1: go.Figure(go.Bar(y=[n])).show(), n=(1, 3))"),  # first figure: in a widget
+        code("go.Figure(go.Bar(y=[1, 2]))"),
+        code("go.Figure(go.Bar(y=[2, 1])).show()"),
+    ])
+    client = NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    with client.setup_kernel():
+        for i, cell in enumerate(nb.cells):
+            client.execute_cell(cell, i)
+        client.execute_cell(nb.cells[0], 0)  # the importing cell again, in the same kernel: its new output
+        client.execute_cell(nb.cells[2], 2)  # replaces the old one, library and all
+        client.set_widgets_metadata()
+    marker = get_plotlyjs()[:300]
+    assert occurrences(nb, marker) == 1, "plotly.js must be saved exactly once"
+    assert occurrences(nb.cells[0].outputs, marker) == 1
+    for cell in nb.cells[2:]:
+        (html,) = [o.data["text/html"] for o in cell.outputs if "text/html" in o.get("data", {})]
+        assert "Plotly.newPlot" in html and marker not in html
+        assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in cell.outputs)  # JupyterLab's
+    assert len(json.dumps(nb)) < len(json.dumps(get_plotlyjs())) + 100_000  # the library once; figures are small
+
+
+def test_plotlyjs_changes_nothing_outside_a_kernel() -> None:
+    import plotly.io as pio
+
+    from gmlx_lab.viz import plotlyjs
+
+    before = pio.renderers.default
+    assert plotlyjs.install(None) is False and pio.renderers.default == before

@@ -1,18 +1,18 @@
 """Figures for the notebooks: plotly builders, quantization helpers, cache sizes and published figures.
 
 Importing this module inside a Jupyter kernel whose plotly renderer is the plain
-`plotly_mimetype` switches it to `plotly_mimetype+notebook`: JupyterLab still
-draws the mimetype (offline, bundled plotly.js), and an HTML export gets the
-figure with plotly.js embedded (never the CDN). A renderer you chose, in code or with the PLOTLY_RENDERER
-environment variable, is kept.
+`plotly_mimetype` displays plotly.js once, in the importing cell's output, and
+draws each figure as the mimetype (JupyterLab, offline) plus HTML that uses that
+one copy (an HTML export; never the CDN): `plotlyjs.py`. A renderer you chose, in code or with the
+PLOTLY_RENDERER environment variable, is kept (gmlx_lab.book's runs keep figures as JSON and ship plotly.js
+once per site).
 """
 
 import os
 
-import plotly.io as _pio
-
 from ..measure.sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from ..records import record_bytes
+from . import plotlyjs
 from .code import Source, source
 from .figures import (
     REGION_COLORS,
@@ -68,7 +68,7 @@ from .sources import (
     dense_bytes_per_token,
     family_curves,
 )
-from .style import figure_problems, num, scheme_color, scheme_colors, trace_styles
+from .style import context_ticks, figure_problems, log_ticks, num, scheme_color, scheme_colors, trace_styles
 from .tradeoff import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
 
 __all__ = [
@@ -84,21 +84,18 @@ __all__ = [
     "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
 __all__ += ["Say", "say"]
+__all__ += ["context_ticks", "log_ticks"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 
-def _offline_export_renderer() -> None:
-    """In a kernel, figures also carry plotly.js as HTML, so a notebook exported by nbconvert shows them offline;
-    an explicit PLOTLY_RENDERER wins (gmlx_lab.book's runs keep figures as JSON and ship plotly.js once)."""
+def _install_plotlyjs() -> None:
     if os.environ.get("PLOTLY_RENDERER"):
         return
     try:
         from IPython import get_ipython
     except ImportError:
         return
-    shell = get_ipython()
-    if shell is not None and "IPKernelApp" in shell.config and _pio.renderers.default == "plotly_mimetype":
-        _pio.renderers.default = "plotly_mimetype+notebook"
+    plotlyjs.install(get_ipython())
 
 
-_offline_export_renderer()
+_install_plotlyjs()

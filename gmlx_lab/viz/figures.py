@@ -17,14 +17,15 @@ from .. import records, window
 from ..measure.sizes import LayerShape, layer_bytes
 from ..policy import Policy
 from ..records import region_tokens
-from ..registry import BASELINE, SCHEMES
+from ..registry import BASELINE, SCHEMES, get_scheme
 from .quant import AffineRow, hadamard, outlier_ratio
-from .style import num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
+from .style import context_ticks, log_ticks, num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
 
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
 REGION_NAMES = {"sink": "sink (fp16)", "body": "records (quantized)", "live": "live group (fp16)",
                 "tail": "tail (fp16)"}
 BASELINE_LINE = {"color": "#555555", "dash": "dot", "width": 1.5}  # every drawn baseline
+LABEL_BACKGROUND = "rgba(255,255,255,0.85)"  # behind a baseline's label, so bars under it do not hide it
 _LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 60, "b": 50}}
 
 
@@ -40,10 +41,10 @@ def _baseline(fig: go.Figure, y: float, text: str, log: bool = False, **where: A
     if log:  # plotly places a log axis's annotations in log10 units
         fig.add_hline(y=y, line=BASELINE_LINE, **where)
         fig.add_annotation(text=text, x=1, xref="paper", y=np.log10(y), yanchor="bottom", xanchor="right",
-                           showarrow=False, font=font)
+                           showarrow=False, font=font, bgcolor=LABEL_BACKGROUND)
         return
     fig.add_hline(y=y, line=BASELINE_LINE, annotation_text=text, annotation_position="top right",
-                  annotation_font=font, **where)
+                  annotation_font=font, annotation_bgcolor=LABEL_BACKGROUND, **where)
 
 
 def bytes_label(n: float) -> str:
@@ -57,10 +58,19 @@ def bytes_label(n: float) -> str:
 
 def growth_figure(curves: dict[str, tuple[list[int], list[float]]],
                   title: str = "KV cache size vs context") -> go.Figure:
-    """Lines of cache bytes against context, one per name: {name: (contexts, bytes)}."""
+    """Lines of cache bytes against context, one per name: {name: (contexts, bytes)}.
+
+    Names with exactly the same sizes share one line, named for all of them ("deepseek_v3 & kimi_k2 (same
+    sizes)"), so no line hides another.
+    """
     fig = _fig(title=title, xaxis_title="context (tokens)", yaxis_title="cache (MiB)", height=420)
-    styles = trace_styles(curves)
+    groups: dict[tuple[tuple[float, ...], tuple[float, ...]], list[str]] = {}
     for name, (ctx, size) in curves.items():
+        groups.setdefault((tuple(map(float, ctx)), tuple(map(float, size))), []).append(name)
+    lines = {names[0] if len(names) == 1 else f"{' & '.join(names)} (same sizes)": curves[names[0]]
+             for names in groups.values()}
+    styles = trace_styles(lines)
+    for name, (ctx, size) in lines.items():
         st = styles[name]
         fig.add_scatter(x=ctx, y=np.asarray(size) / 2**20, mode="lines+markers", name=name,
                         line={"color": st["color"], "dash": st["dash"]}, marker={"symbol": st["symbol"]},
@@ -128,7 +138,7 @@ def error_figure(rows: list[dict[str, Any]], title: str = "reconstruction error 
     Colour is the scheme's, a shade per variant (g32 dark ... g128 light), dashed for V.
     """
     fig = _fig(title=title, xaxis_title="bits per code", yaxis_title="relative error ‖x − x̂‖ / ‖x‖ (log)",
-               yaxis_type="log", yaxis_exponentformat="power", height=400)
+               yaxis_type="log", height=400)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     styles = trace_styles(methods)
     for method in methods:
@@ -138,6 +148,7 @@ def error_figure(rows: list[dict[str, Any]], title: str = "reconstruction error 
                         line={"color": st["color"], "dash": st["dash"]}, marker={"symbol": st["symbol"], "size": 8},
                         hovertemplate="%{x} bits: error %{y:.3g}<extra>" + html.escape(method) + "</extra>")
     fig.update_xaxes(dtick=1)
+    fig.update_yaxes(**log_ticks(r["error"] for r in rows))
     return fig
 
 
@@ -232,6 +243,7 @@ def imbalance_figure(history: list[float], best: int, tol: float = 1e-3) -> go.F
                      + (f"<br><sup>rounds {shown}-{len(h) - 1} change nothing and are not drawn</sup>" if rest else ""),
                xaxis_title="normalization round (0 = unscaled)", yaxis_title="imbalance (log)", yaxis_type="log",
                yaxis_range=[np.log10(1.8), np.log10(1.3 * float(h[:shown].max()))], height=340)
+    fig.update_yaxes(**log_ticks([1.8, 1.3 * float(h[:shown].max())]))
     fig.add_scatter(x=list(range(shown)), y=h[:shown], mode="lines+markers", name="imbalance",
                     line={"color": "#ff7f0e"}, hovertemplate="round %{x}: %{y:.3g}<extra></extra>")
     fig.add_scatter(x=[best], y=[h[best]], mode="markers", marker={"size": 14, "symbol": "star", "color": "#6a3d9a"},
@@ -246,7 +258,7 @@ def normalize_toy_figure(tile: np.ndarray, scaled: np.ndarray, round_: int, imba
     row_std, col_std = scaled.std(1, ddof=1), scaled.std(0, ddof=1)
     fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.3, 0.3], horizontal_spacing=0.1,
                         subplot_titles=("scaled tile (red +, blue −)", "spread of each row", "spread of each column"))
-    lim = float(np.abs(tile).max())
+    lim = float(np.abs(scaled).max()) or 1.0  # each round on its own colour scale: values shrink as rounds divide
     fig.add_heatmap(z=scaled, row=1, col=1, colorscale="RdBu_r", zmid=0, zmin=-lim, zmax=lim, showscale=False,
                     hovertemplate="row %{y}, col %{x}: %{z:.3g}<extra></extra>")
     fig.add_bar(x=np.arange(row_std.size), y=row_std, row=1, col=2, marker_color="#d62728", name="row std",
@@ -274,7 +286,7 @@ def code_histogram(rec: records.Records) -> go.Figure:
                yaxis_title="count (codes in the record)", height=300, bargap=0.05)
     fig.add_bar(x=np.arange(counts.size), y=counts, marker_color="#ff7f0e", name="codes",
                 hovertemplate="code %{x}: %{y} times<extra></extra>")
-    _baseline(fig, q.size / levels, f"even spread: {num(q.size / levels)} each")
+    _baseline(fig, q.size / levels, f"even spread: {num(q.size / levels, 4)} each")
     return fig
 
 
@@ -371,14 +383,35 @@ def sink_layers_figure(mass: np.ndarray, sink: int = 1, even: float | None = Non
     return fig
 
 
+# fp16 cells of a policy strip, told apart: the scheme's layers, the rule's fp16 layers and these two
+STILL_LAYER = ("fp16: does not grow", "#e3e3e3")  # recurrent state, a sliding window: nothing to quantize
+DECLINED_LAYER = ("fp16: the scheme declines", "#3d3d3d")  # grows, but the scheme cannot store it (MLA, head dim)
+
+
+def _strip_category(p: Policy, d: Any) -> str:
+    """What a policy strip's cell shows: the scheme that took the layer, or why it is fp16."""
+    if d.decision != BASELINE:
+        return d.decision
+    if not d.grows:
+        return STILL_LAYER[0]
+    why = p.scheme != BASELINE and get_scheme(p.scheme).declines(d.kind, d.k_head_dim, d.v_head_dim, p.options)
+    if why and why in d.reason:  # the scheme's own reason, not the policy's (the last of a deep stack)
+        return DECLINED_LAYER[0]
+    return BASELINE  # kept fp16 by the policy's rule (the last of a deep stack) or by an override
+
+
 def policy_strip(policies: list[Policy], title: str | None = None) -> go.Figure:
-    """One row per policy (model and scheme), one cell per cache entry, coloured by decision; hover shows why."""
-    colors = scheme_colors()
+    """One row per policy (model and scheme), one cell per cache entry, coloured by decision; hover shows why.
+
+    fp16 cells come in three shades: a layer that does not grow (light), one the policy keeps fp16 (fp16's grey),
+    one the scheme declines (dark).
+    """
+    colors = {**scheme_colors(), STILL_LAYER[0]: STILL_LAYER[1], DECLINED_LAYER[0]: DECLINED_LAYER[1]}
     order = list(colors)
     n = max(len(p.layers) for p in policies)
     z, text, names = [], [], []
     for p in policies:
-        z.append([order.index(d.decision) for d in p.layers] + [None] * (n - len(p.layers)))
+        z.append([order.index(_strip_category(p, d)) for d in p.layers] + [None] * (n - len(p.layers)))
         pad = [""] * (n - len(p.layers))
         text.append([f"layer {d.index}: {d.kind}, {d.decision} ({d.reason})" for d in p.layers] + pad)
         names.append(f"{p.name} · {p.label} ({len(p.quantized)}/{sum(d.grows for d in p.layers)})")
@@ -389,7 +422,8 @@ def policy_strip(policies: list[Policy], title: str | None = None) -> go.Figure:
         scale += [[i / len(order), colors[name]], [(i + 1) / len(order), colors[name]]]
     labels = list(dict.fromkeys(p.label for p in policies))
     fig = _fig(title=title or f"per-layer decisions under {', '.join(labels)} (quantized / growing layers)",
-               xaxis_title="cache entry (layer)", yaxis_title="model · scheme", height=140 + 36 * len(policies))
+               xaxis_title="cache entry (layer)", yaxis_title="model · scheme",
+               height=max(300, 140 + 36 * len(policies)))  # room for the colour bar's six labels
     fig.add_heatmap(z=z, text=text, hoverinfo="text", y=names, colorscale=scale, zmin=-0.5,
                     zmax=len(order) - 0.5, xgap=2, ygap=2,
                     colorbar={"tickvals": list(range(len(order))), "ticktext": order, "title": "decision"})
@@ -409,31 +443,39 @@ def kl_strip(kl: np.ndarray, labels: list[str] | None = None, title: str = "KL p
 def position_kl_figure(result: Any, title: str | None = None) -> go.Figure:
     """KL(fp16 || scheme) per position for each scheme of a `fidelity` result (prefill, then decode).
 
-    Variants of a scheme get shades and decreasing widths, so a line lying on another stays visible;
-    KL of exactly 0 (a scheme that stored nothing quantized) is drawn at the floor 1e-9 and says so.
+    Variants of a scheme get shades and decreasing widths, so a line lying on another stays visible. A log axis
+    cannot show KL 0: such positions are gaps in their line (no false cliff down to a floor), and a scheme with KL 0
+    everywhere (it stored nothing quantized) is named in a note instead of drawn.
     """
     data = experiment_data(result)
     schemes = data["schemes"]
-    labels = [s["label"] for s in schemes]
-    styles = trace_styles(labels)
+    styles = trace_styles(s["label"] for s in schemes)
     fig = _fig(title=title or f"KL(fp16 || scheme) per position, {data['model']}", xaxis_title="position (token)",
-               yaxis_title="KL (nats, log)", yaxis_type="log", height=400)
-    for i, s in enumerate(schemes):
-        kl = list(s["prefill_kl"]) + list(s["decode_kl"])
-        zero = max(kl, default=0) == 0
-        name = s["label"] + (" (KL 0: nothing quantized)" if zero else "")
-        fig.add_scatter(x=list(range(len(kl))), y=[max(v, 1e-9) for v in kl], mode="lines", name=name,
-                        line={"color": styles[s["label"]]["color"], "width": max(4.5 - 1.5 * i, 1.2),
-                              "dash": "dot" if zero else "solid"},
-                        hovertemplate="position %{x}: KL %{y:.3g}<extra>" + html.escape(s["label"]) + "</extra>")
+               yaxis_title="KL (nats, log)", height=400)
+    kls = {s["label"]: [*s["prefill_kl"], *s["decode_kl"]] for s in schemes}
+    zero = [label for label, kl in kls.items() if max(kl, default=0) <= 0]
+    for i, (label, kl) in enumerate(kls.items()):
+        if label not in zero:
+            fig.add_scatter(x=list(range(len(kl))), y=[v if v > 0 else None for v in kl], mode="lines", name=label,
+                            line={"color": styles[label]["color"], "width": max(4.5 - 1.5 * i, 1.2)},
+                            connectgaps=False,
+                            hovertemplate="position %{x}: KL %{y:.3g}<extra>" + html.escape(label) + "</extra>")
     if schemes:
         fig.add_vline(x=len(schemes[0]["prefill_kl"]) - 0.5, line=BASELINE_LINE, annotation_text="decode starts")
-    nonzero = [i for s in schemes for i, v in enumerate(list(s["prefill_kl"]) + list(s["decode_kl"])) if v > 0]
+    notes = []
+    nonzero = [i for kl in kls.values() for i, v in enumerate(kl) if v > 0]
     if nonzero and min(nonzero) > 32:  # a long stretch of KL 0 (tokens attended in fp16): start the view near its end
-        fig.update_xaxes(range=[min(nonzero) - 24, max(len(s["prefill_kl"]) + len(s["decode_kl"]) for s in schemes)])
-        fig.add_annotation(text=f"KL is 0 before position {min(nonzero)} (zoom out to see it)", showarrow=False,
-                           xref="paper", yref="paper", x=0, y=1.06, xanchor="left", font={"size": 11})
-    fig.update_yaxes(exponentformat="power")
+        fig.update_xaxes(range=[min(nonzero) - 24, max(len(kl) for kl in kls.values())])
+        notes.append(f"KL is 0 before position {min(nonzero)} (zoom out to see it)")
+    if zero:
+        notes.append(f"KL 0 at every position (nothing quantized): {', '.join(zero)}")
+    if notes:
+        fig.add_annotation(text="<br>".join(notes), showarrow=False, xref="paper", yref="paper", x=0, y=1.02,
+                           xanchor="left", yanchor="bottom", align="left", font={"size": 11})
+        fig.update_layout(margin={**_LAYOUT["margin"], "t": 60 + 16 * len(notes)})
+    positive = [v for kl in kls.values() for v in kl if v > 0]
+    if positive:
+        fig.update_yaxes(type="log", **log_ticks(positive))
     return fig
 
 
@@ -459,8 +501,8 @@ def kernel_times_figure(data: dict[str, Any], title: str | None = None) -> go.Fi
                         line={"color": st["color"], "dash": dash, "width": 3 if scheme_names[impl] == BASELINE else 2},
                         marker={"symbol": st["symbol"], "size": 8},
                         hovertemplate="%{x} tokens: %{y:.3g} µs<extra>" + html.escape(impl) + "</extra>")
-    ticks = sorted({r["context"] for r in rows})
-    fig.update_xaxes(tickvals=ticks, ticktext=[f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ticks])
+    fig.update_xaxes(**context_ticks(r["context"] for r in rows))
+    fig.update_yaxes(**log_ticks(r["us"] for r in rows))
     return fig
 
 
@@ -479,6 +521,8 @@ def bars_figure(rows: list[dict[str, Any]], x: str, y: str, color: str, title: s
                     textangle=-90 if text else None, cliponaxis=False, constraintext="none",
                     textfont={"size": 11, "color": styles[key]["color"]} if text else None,
                     hovertemplate=f"%{{x}}, {html.escape(key)}: %{{y:.3g}}<extra></extra>")
+    if log:
+        fig.update_yaxes(**log_ticks(r[y] for r in rows))
     return fig
 
 
@@ -618,4 +662,5 @@ def weights_kv_positions(result: Any, weights: str, title: str | None = None) ->
         fig.add_scatter(y=[max(v, 1e-9) for v in r["decode_kl"]], mode="lines", name=f"{weights} + {r['kv']}",
                         line={"color": st["color"], "dash": "solid" if r["kv"] == BASELINE else "dot"},
                         hovertemplate="token %{x}: KL %{y:.3g}<extra>" + html.escape(r["kv"]) + "</extra>")
+    fig.update_yaxes(**log_ticks(max(v, 1e-9) for r in rows for v in r["decode_kl"]))
     return fig

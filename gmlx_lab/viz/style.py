@@ -20,8 +20,8 @@ import plotly.graph_objects as go
 
 from ..registry import SCHEMES
 
-__all__ = ["MAX_DIGITS", "figure_problems", "num", "scheme_color", "scheme_colors", "scheme_of", "shade",
-           "significant_digits", "trace_styles"]
+__all__ = ["MAX_DIGITS", "context_ticks", "figure_problems", "log_ticks", "num", "scheme_color", "scheme_colors",
+           "scheme_of", "shade", "significant_digits", "trace_styles"]
 
 MAX_DIGITS = 4  # at most this many significant digits in any number a figure prints
 OTHER_COLOR = "#444444"  # a label that names no registered scheme, where it stands alone
@@ -101,6 +101,43 @@ def num(x: float, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def log_ticks(values: Iterable[float], most: int = 8) -> dict[str, Any]:
+    """Tick settings for a log axis over `values` (positive; others ignored) whose labels read at a glance.
+
+    Up to `most` ticks at 1, 2 and 5 times a power of ten inside the values' span (over a narrow span also 1.5, 3,
+    4 and 7), each labelled with `num` (0.02, 0.05, 0.1, ...); over a wider span, whole decades only (10^-4,
+    10^-3, ..., every second one past `most`). Never plotly's automatic log ticks, whose minor labels read
+    "9, 100, 2, 3".
+    `fig.update_yaxes(type="log", **log_ticks(errors))`.
+    """
+    v = np.asarray([x for x in np.ravel(np.asarray(list(values), dtype=float)) if np.isfinite(x) and x > 0])
+    if v.size == 0:
+        raise ValueError("log_ticks needs at least one positive finite value")
+    lo, hi = float(v.min()), float(v.max())
+    first, last = int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi)))
+
+    def inside(steps: tuple[float, ...]) -> list[float]:
+        return [float(num(m * 10.0**k)) for k in range(first, last + 1) for m in steps
+                if lo <= m * 10.0**k * (1 + 1e-9) and m * 10.0**k <= hi * (1 + 1e-9)]
+
+    nice = inside((1, 2, 5))
+    if len(nice) < 3:  # a narrow span (less than a decade or so): finer steps
+        nice = inside((1, 1.5, 2, 3, 4, 5, 7))
+    if len(nice) < 2:  # less than a factor 1.5 between the ends: the ends themselves
+        nice = sorted({float(num(lo, 2)), float(num(hi, 2))})
+    if len(nice) <= most:
+        return {"tickvals": nice, "ticktext": [num(t) for t in nice]}
+    decades = last - first + 1
+    return {"tickvals": None, "dtick": max(1, int(np.ceil(decades / most))), "exponentformat": "power"}
+
+
+def context_ticks(contexts: Iterable[int]) -> dict[str, Any]:
+    """Ticks at the given token counts, labelled as people say them: 512, 1K, 32K, 128K."""
+    ticks = sorted(set(int(c) for c in contexts))
+    return {"tickvals": ticks, "ticktext": [f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else str(c)
+                                            for c in ticks]}
+
+
 # -- the checks --------------------------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(\d+\.\d+|\d+(?:\.\d+)?[eE][-+]?\d+)(?![\w.])")
@@ -170,12 +207,67 @@ def _style_key(trace: Any) -> tuple[Any, ...] | None:
     return trace.type, color, dash or "solid", symbol
 
 
+def _axis_values(fig: go.Figure, key: str) -> list[float]:
+    """The values the traces place on axis `key` ('xaxis2', 'yaxis')."""
+    letter, ref = key[0], key[0] + key[5:]
+    out: list[float] = []
+    for tr in fig.data:
+        if (getattr(tr, f"{letter}axis", None) or letter) == ref:
+            try:
+                out += [float(x) for x in _values(getattr(tr, letter, None))]
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
+def _drawn_key(trace: Any) -> tuple[Any, ...] | None:
+    """What a line or marker trace puts on the page: its axes, points and line width (colour aside)."""
+    if trace.type not in ("scatter", "scattergl") or trace.visible is False:
+        return None
+    try:
+        x, y = (tuple(float(v) for v in _values(getattr(trace, a))) for a in ("x", "y"))
+    except (TypeError, ValueError):
+        return None
+    if not y:
+        return None
+    width = trace.line.width if getattr(trace, "line", None) is not None else None
+    return trace.xaxis, trace.yaxis, x or tuple(range(len(y))), y, width
+
+
+def _log_axis_problem(fig: go.Figure, key: str) -> str | None:
+    """A log axis left to plotly's automatic ticks, or whose whole-decade ticks label fewer than two decades."""
+    axis = fig.layout[key]
+    if axis.type != "log" or axis.tickvals is not None:
+        return None
+    dtick = axis.dtick
+    whole = isinstance(dtick, (int, float)) and not isinstance(dtick, bool) and float(dtick) >= 1 \
+        and float(dtick).is_integer()
+    if not whole:
+        return (f"{key} is logarithmic with plotly's automatic ticks (minor labels like '9, 100, 2, 3'): "
+                "set its ticks with style.log_ticks(values)")
+    if axis.range is not None:
+        lo, hi = sorted(float(r) for r in axis.range)
+    else:
+        v = [x for x in _axis_values(fig, key) if np.isfinite(x) and x > 0]
+        if not v:
+            return None
+        lo, hi = np.log10(min(v)), np.log10(max(v))
+    labels = int(np.floor(hi + 1e-9)) - int(np.ceil(lo - 1e-9)) + 1
+    if labels < 2:
+        return (f"{key} ticks whole decades but its span holds {max(labels, 0)} of them: "
+                "set its ticks with style.log_ticks(values)")
+    return None
+
+
 def figure_problems(fig: go.Figure) -> list[str]:
     """What in `fig` breaks the lab's figure rules, one sentence each (an empty list: none).
 
     - two legend entries with the same name, or two traces on the same axes with the same colour, dash and marker;
+    - two line/marker traces on the same axes with the same points and line width (one hides the other);
     - an axis that shows data (every xaxis*/yaxis* a trace uses) without a title, unless it is hidden or shares
       the title of an axis it matches;
+    - a log axis that shows data with plotly's automatic ticks, or with whole-decade ticks of which fewer than two
+      fall in its span (`log_ticks` sets readable ones);
     - a printed number with more than MAX_DIGITS significant digits: trace text (after its texttemplate), hover
       fields printed without a format, trace names, annotations (subplot titles too), the title, axis titles.
       Integers are exact counts (tokens, bytes) and pass.
@@ -184,6 +276,7 @@ def figure_problems(fig: go.Figure) -> list[str]:
     layout = fig.layout
     legend_names: dict[str, int] = {}
     styles: dict[tuple[Any, ...], int] = {}
+    drawn: dict[tuple[Any, ...], int] = {}
     used_axes: set[str] = set()
     for i, tr in enumerate(fig.data):
         who = f"trace {i} ({tr.name or tr.type})"
@@ -200,6 +293,12 @@ def figure_problems(fig: go.Figure) -> list[str]:
             if key in styles:
                 problems.append(f"{who} has the colour, dash and marker of trace {styles[key]} on the same axes")
             styles.setdefault(key, i)
+        same = _drawn_key(tr)
+        if same is not None:
+            if same in drawn:
+                problems.append(f"{who} draws exactly the line of trace {drawn[same]}, which hides one of them: "
+                                "draw them as one trace named for both, or tell them apart (e.g. line width)")
+            drawn.setdefault(same, i)
         problems += _text_problems(f"{who} name", [tr.name])
         text = getattr(tr, "text", None)
         template = getattr(tr, "texttemplate", None)
@@ -215,6 +314,8 @@ def figure_problems(fig: go.Figure) -> list[str]:
     for key in sorted(used_axes):
         if key in layout and not _has_title(layout, key):
             problems.append(f"{key} shows data but has no title")
+        if key in layout and (problem := _log_axis_problem(fig, key)):
+            problems.append(problem)
     problems += _text_problems("the title", [layout.title.text])
     problems += _text_problems("an annotation", [a.text for a in layout.annotations])
     for key in sorted(used_axes):

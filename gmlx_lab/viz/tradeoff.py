@@ -19,6 +19,7 @@ from plotly.subplots import make_subplots
 from ..measure.tradeoff import TradeoffPoint
 from ..registry import BASELINE
 from .figures import scheme_color
+from .style import context_ticks, log_ticks
 
 __all__ = ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
@@ -56,7 +57,7 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
                          "filter the points first")
     model, context = models.pop()
     fig = go.Figure()
-    fig.update_layout(**LAYOUT, height=height, yaxis={"type": "log", "dtick": 1, "exponentformat": "e"},
+    fig.update_layout(**LAYOUT, height=height, yaxis={"type": "log"},
                       xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
                       legend_title_text="scheme (width in bits)")
     fp16 = [p for p in points if p.scheme == BASELINE]
@@ -72,6 +73,8 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
             marker={"size": 8},
             line={"color": scheme_color(fam), "dash": dash[fam]}, customdata=[p.label for p in pts],
             hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
+    if rest:
+        fig.update_yaxes(**log_ticks(p.kl for p in rest))
     ref = fp16[0].bytes_per_token if fp16 else points[0].fp16_bytes_per_token
     fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE),
                   annotation_text=f"fp16 {ref / 1024:.3g} KiB/token", annotation_position="top left")
@@ -93,7 +96,8 @@ def size_figure(curves: dict[str, Sequence[float]], contexts: Sequence[int],
             raise ValueError(f"curve {label!r} has {len(ys)} values for {len(contexts)} contexts")
     fig = go.Figure()
     span = [math.log10(min(contexts)), math.log10(max(contexts))]
-    fig.update_layout(**LAYOUT, height=height, title=title, xaxis={"type": "log", "dtick": 1, "range": span},
+    fig.update_layout(**LAYOUT, height=height, title=title,
+                      xaxis={"type": "log", "range": span, **context_ticks(contexts)},
                       xaxis_title="context (tokens)", yaxis_title="cache per token of context (KiB)",
                       yaxis_rangemode="tozero")
     dash = _dashes(list(curves), {label: label.split()[0].rstrip("0123456789") for label in curves})
@@ -135,7 +139,8 @@ def published_vs_ours_figure(published: Sequence[dict[str, Any]], ours: Sequence
         fig.add_scatter(x=[p.bits for p in pts], y=[p.kl for p in pts], name=f"{fam} (ours)", mode="lines+markers",
                         line={"color": scheme_color(fam), "dash": order[fam]}, row=1, col=2,
                         hovertemplate=f"{html.escape(fam)} %{{x}}-bit: KL %{{y:.2e}} nats<extra>ours</extra>")
-    fig.update_yaxes(type="log", dtick=1, exponentformat="e", title_text="decode median KL vs fp16 (nats)")
+    fig.update_yaxes(type="log", title_text="decode median KL vs fp16 (nats)",
+                     **log_ticks([r[s] for r in published for s in schemes] + [p.kl for p in rest]))
     fig.update_yaxes(showticklabels=True, row=1, col=2)
     fig.update_xaxes(title_text="code width (bits)", dtick=1)
     fig.update_layout(**LAYOUT, height=height, title="decode median KL per width: gmlx's model and ours")
