@@ -46,9 +46,20 @@ class TradeoffPoint:
 
     @property
     def family(self) -> str:
-        """The scheme, K/V widths where they differ, and the tail: a family's points differ only in width."""
-        split = f" k{self.bits}v{self.v_bits}" if self.bits != self.v_bits else ""
-        return self.scheme + split + ("" if self.tail is None else f" tail={self.tail}")
+        """The scheme and its tail: a family's points differ only in their widths."""
+        return self.scheme + ("" if self.tail is None else f" tail={self.tail}")
+
+    @property
+    def split(self) -> bool:
+        """K and V stored at different widths (kvarn k8v4)."""
+        return self.bits != self.v_bits
+
+    @property
+    def width(self) -> str:
+        """The widths as a figure labels them: "4", or "k8v4" where K and V differ ("" for fp16)."""
+        if self.bits is None:
+            return ""
+        return f"k{self.bits}v{self.v_bits}" if self.split else f"{self.bits}"
 
     @property
     def share_of_fp16(self) -> float:

@@ -105,12 +105,22 @@ def test_figures_follow_the_lab_rules(model) -> None:
         assert viz.figure_problems(fig) == [], name
     trade = figs["tradeoff"]
     names = [t.name for t in trade.data]
-    assert names == ["affine", "kvarn tail=0", "kvarn tail=128", "affine_rot"]  # split widths: in the table
+    assert names == ["affine", "kvarn tail=0", "kvarn tail=128", "kvarn tail=128, K and V widths differ",
+                     "affine_rot"]  # every scheme drawn, whatever its widths
     assert trade.layout.yaxis.type == "log" and list(trade.data[0].text) == ["2", "3", "4", "6", "8"]
+    split = trade.data[3]
+    by = {p.label: p for p in points}
+    assert list(split.text) == ["k8v4", "k4v8"] and split.x[0] == by["kvarn k8v4 tail=128"].bytes_per_token / 1024
+    assert split.mode == "markers+text" and split.marker.color == trade.data[2].marker.color  # its family's colour
+    tails = trade.data[1], trade.data[2]  # two tails of one scheme: told apart by shade, marker and dash
+    assert len({(t.line.color, t.marker.symbol, t.line.dash) for t in tails}) == 2
+    assert tails[0].line.color != tails[1].line.color and tails[0].line.dash != tails[1].line.dash
+    assert trade.layout.xaxis.range[0] == 0  # no axis that magnifies a small difference in memory
     assert trade.layout.shapes[0].x0 == 4.0  # fp16's 4 KiB per token: the baseline
     assert "35.7K tokens" in figs["size"].layout.annotations[1].text
     pub = figs["published"]
     assert [t.name for t in pub.data][:2] == ["affine (gmlx)", "kvarn (gmlx)"]
+    assert "kvarn tail=128, K and V widths differ (ours)" in [t.name for t in pub.data]
     assert {t.xaxis for t in pub.data} == {"x", "x2"} and pub.layout.yaxis2.matches == "y"  # one KL axis
 
 

@@ -18,6 +18,7 @@ from plotly.subplots import make_subplots
 
 from ..registry import BASELINE
 from .figures import scheme_color
+from .style import trace_styles
 
 if TYPE_CHECKING:  # gmlx_lab.tradeoff imports gmlx_lab.viz.sizes, so only the type comes from there
     from ..tradeoff import TradeoffPoint
@@ -42,13 +43,23 @@ def _dashes(families: Sequence[str], scheme_of: dict[str, str], first: int = 0) 
     return out
 
 
+def _family_styles(points: Sequence[TradeoffPoint]) -> dict[str, dict[str, str]]:
+    """{family: {color, dash, symbol}}: the scheme's colour, shades and markers for its tails (`trace_styles`), and
+    a dash each, so two tails of one scheme differ in shade, marker and dash."""
+    families = list(dict.fromkeys(p.family for p in points))
+    styles = trace_styles(families)
+    dash = _dashes(families, {p.family: p.scheme for p in points})
+    return {fam: {**styles[fam], "dash": dash[fam]} for fam in families}
+
+
 def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, height: int = 420) -> go.Figure:
     """Decode median KL against cache KiB per token, one line per scheme family (scheme + tail), one marker per
     width (labelled with its bits); fp16 is the dotted vertical line (KL 0). Points of one model and context.
 
     Down and to the left is better; a point to the right of another family's line costs more memory for that
-    family's fidelity. Points with KL exactly 0 other than fp16 (nothing quantized) cannot sit on a log axis:
-    they are listed in the title. K and V at different widths (kvarn k8v4) are left out: see the run's table.
+    family's fidelity. K and V at different widths (kvarn k8v4) are markers of their family's colour and marker,
+    unjoined, labelled k8v4, at their true bytes per token. The x axis starts at 0, so a cache at 90% of fp16 looks
+    it. Points with KL exactly 0 other than fp16 (nothing quantized) cannot sit on a log axis: the title lists them.
     """
     if not points:
         raise ValueError("tradeoff_figure needs at least one TradeoffPoint (from gmlx_lab.tradeoff.tradeoff_points)")
@@ -57,28 +68,35 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
         raise ValueError(f"tradeoff_figure draws one model at one context, got {sorted(models)}: "
                          "filter the points first")
     model, context = models.pop()
-    fig = go.Figure()
-    fig.update_layout(**LAYOUT, height=height, yaxis={"type": "log", "dtick": 1, "exponentformat": "e"},
-                      xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
-                      legend_title_text="scheme (width in bits)")
     fp16 = [p for p in points if p.scheme == BASELINE]
     zero = [p.label for p in points if p.scheme != BASELINE and p.kl <= 0]
-    rest = [p for p in points if p.scheme != BASELINE and p.kl > 0 and p.bits == p.v_bits]
-    families = list(dict.fromkeys(p.family for p in rest))
-    dash = _dashes(families, {p.family: p.scheme for p in rest})
-    for i, fam in enumerate(families):
-        pts = sorted((p for p in rest if p.family == fam), key=lambda p: p.bytes_per_token)
-        fig.add_scatter(
-            x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts], name=fam, mode="lines+markers+text",
-            text=[f"{p.bits}" for p in pts], textposition="bottom center" if i % 2 else "top center",
-            marker={"size": 8},
-            line={"color": scheme_color(fam), "dash": dash[fam]}, customdata=[p.label for p in pts],
-            hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
+    rest = [p for p in points if p.scheme != BASELINE and p.kl > 0]
     ref = fp16[0].bytes_per_token if fp16 else points[0].fp16_bytes_per_token
+    widest = max([ref, *(p.bytes_per_token for p in rest)]) / 1024
+    fig = go.Figure()
+    fig.update_layout(**LAYOUT, height=height, yaxis={"type": "log", "dtick": 1, "exponentformat": "e"},
+                      xaxis={"range": [0, 1.1 * widest]},
+                      xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
+                      legend_title_text="scheme (width in bits)")
+    style = _family_styles(rest)
+    for i, fam in enumerate(style):
+        for split in (False, True):
+            pts = sorted((p for p in rest if p.family == fam and p.split == split), key=lambda p: p.bytes_per_token)
+            if not pts:
+                continue
+            fig.add_scatter(
+                x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts],
+                name=f"{fam}, K and V widths differ" if split else fam,
+                mode="markers+text" if split else "lines+markers+text", text=[p.width for p in pts],
+                textposition="middle right" if split else ("bottom center" if i % 2 else "top center"),
+                marker={"size": 10 if split else 8, "symbol": "diamond-open" if split else style[fam]["symbol"],
+                        "color": style[fam]["color"]},
+                line={"color": style[fam]["color"], "dash": style[fam]["dash"]}, customdata=[p.label for p in pts],
+                hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
     fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE),
                   annotation_text=f"fp16 {ref / 1024:.3g} KiB/token", annotation_position="top left")
     note = f"; KL 0 (nothing quantized): {', '.join(zero)}" if zero else ""
-    fig.update_layout(title=title or f"{model} at {context} tokens: fidelity against memory{note}")
+    fig.update_layout(title=(title or f"{model} at {context} tokens: fidelity against memory") + note)
     return fig
 
 
@@ -129,17 +147,27 @@ def published_vs_ours_figure(published: Sequence[dict[str, Any]], ours: Sequence
         fig.add_scatter(x=[r["bits"] for r in rows], y=[r[s] for r in rows], name=f"{s} (gmlx)",
                         mode="lines+markers", line={"color": scheme_color(s), "dash": "solid"}, row=1, col=1,
                         hovertemplate=f"{s} %{{x}}-bit: KL %{{y:.2e}} nats<extra>gmlx</extra>")
-    rest = [p for p in ours if p.scheme != BASELINE and p.kl > 0 and p.bits == p.v_bits]
-    families = list(dict.fromkeys(p.family for p in rest))
-    order = _dashes(families, {p.family: p.scheme for p in rest}, first=1)
-    for fam in families:
-        pts = sorted((p for p in rest if p.family == fam), key=lambda p: p.bits)
-        fig.add_scatter(x=[p.bits for p in pts], y=[p.kl for p in pts], name=f"{fam} (ours)", mode="lines+markers",
-                        line={"color": scheme_color(fam), "dash": order[fam]}, row=1, col=2,
-                        hovertemplate=f"{html.escape(fam)} %{{x}}-bit: KL %{{y:.2e}} nats<extra>ours</extra>")
+    rest = [p for p in ours if p.scheme != BASELINE and p.kl > 0]
+    style = _family_styles(rest)
+    order = _dashes(list(style), {p.family: p.scheme for p in rest}, first=1)
+    for fam in style:
+        for split in (False, True):
+            pts = sorted((p for p in rest if p.family == fam and p.split == split), key=lambda p: p.bits + p.v_bits)
+            if not pts:
+                continue
+            fig.add_scatter(x=[(p.bits + p.v_bits) / 2 for p in pts], y=[p.kl for p in pts],
+                            name=f"{fam}, K and V widths differ (ours)" if split else f"{fam} (ours)",
+                            mode="markers+text" if split else "lines+markers", text=[p.width for p in pts],
+                            textposition="middle right",
+                            marker={"symbol": "diamond-open" if split else style[fam]["symbol"],
+                                    "size": 9 if split else 6, "color": style[fam]["color"]},
+                            line={"color": style[fam]["color"], "dash": order[fam]}, row=1, col=2,
+                            customdata=[p.label for p in pts],
+                            hovertemplate="%{customdata}: KL %{y:.2e} nats<extra>ours</extra>")
     fig.update_yaxes(type="log", dtick=1, exponentformat="e", title_text="decode median KL vs fp16 (nats)")
     fig.update_yaxes(showticklabels=True, row=1, col=2)
-    fig.update_xaxes(title_text="code width (bits)", dtick=1)
+    fig.update_xaxes(title_text="code width (bits)", dtick=1, row=1, col=1)
+    fig.update_xaxes(title_text="code width (bits; K and V differ: their mean)", dtick=1, row=1, col=2)
     fig.update_layout(**LAYOUT, height=height, title="decode median KL per width: gmlx's model and ours")
     return fig
 
