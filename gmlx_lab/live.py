@@ -31,6 +31,7 @@ import numpy as np
 
 from .experiments import prefill
 from .fidelity import AuditReport, audit, fp16_equivalent, spec_policy
+from .kv_inspect import first_divergence
 from .models import BUNDLED_NAME, available_models
 from .policy import PromptCache, policy
 from .registry import BASELINE, get_scheme
@@ -251,6 +252,47 @@ class LiveCompare:
     def kl_summary(self) -> dict[str, float]:
         """Mean KL per generated token of each column, by label (fp16: 0)."""
         return {c.label: float(np.mean(c.kl)) if c.kl else 0.0 for c in self.columns}
+
+    def parted_at(self, col: LiveColumn) -> int | None:
+        """The first token where `col`'s text differs from fp16's (None: the same all along)."""
+        return first_divergence(self.columns[0].tokens, col.tokens)
+
+    def summary(self) -> str:
+        """What the run shows, in Markdown built from its values: which column kept fp16's text longest, which
+        is closest to fp16 in distribution, and which cache is the largest (the verdicts computed, not assumed)."""
+        others = [c for c in self.columns if not c.reference]
+        if not others or not self.columns[0].kl:
+            raise ValueError("summary needs a run (call run()) with at least one scheme besides fp16")
+        by_label = {p.label: p for p in self.points()}
+        model = by_label[self.columns[0].label].model
+        kept = sorted(others, key=lambda c: len(c.tokens) if self.parted_at(c) is None else self.parted_at(c),
+                      reverse=True)
+        lines = [f"**What this run shows** ({len(self.columns[0].tokens)} tokens after a {len(self.prompt)}-token "
+                 f"prompt, {model}; {self.sampling}):", ""]
+        parts = [f"{c.label} " + ("all along" if self.parted_at(c) is None else f"until token {self.parted_at(c)}")
+                 for c in kept]
+        lines.append(f"- fp16's text is kept longest by **{kept[0].label}**: " + "; ".join(parts) + ".")
+        mean = {c.label: float(np.mean(c.kl)) if c.kl else 0.0 for c in others}
+        close, far = min(others, key=lambda c: mean[c.label]), max(others, key=lambda c: mean[c.label])
+        if mean[close.label] > 0 and close is not far:
+            lines.append(f"- Closest to fp16's distribution: **{close.label}**, mean KL {mean[close.label]:.1e} nats "
+                         f"per token, {mean[far.label] / mean[close.label]:.3g} times below {far.label}'s "
+                         f"{mean[far.label]:.1e}.")
+        elif mean[close.label] == 0:
+            lines.append(f"- **{close.label}** has KL 0: nothing of its cache is quantized yet at this context.")
+        share = {c.label: by_label[c.label].share_of_fp16 for c in others}
+        big, small = max(others, key=lambda c: share[c.label]), min(others, key=lambda c: share[c.label])
+        lines.append(f"- The largest quantized cache is **{big.label}** ({100 * share[big.label]:.0f}% of fp16's"
+                     + (f"), the smallest {small.label} ({100 * share[small.label]:.0f}%)." if big is not small
+                        else ")."))
+        if close is big and big is not small:
+            lines.append(f"- So the column closest to fp16 is also the largest cache: at equal width {close.label} "
+                         "spends more memory, and the figure under the columns places every cache at its bytes "
+                         "per token, where schemes compare at equal memory.")
+        elif close is not big:
+            lines.append(f"- The column closest to fp16 is not the largest cache: {close.label} is closer with "
+                         f"{'less' if share[close.label] < share[big.label] else 'as much'} memory than {big.label}.")
+        return "\n".join(lines)
 
     def points(self) -> list[TradeoffPoint]:
         """Each column as an equal-memory point: resident cache bytes per token of context at the end, and the

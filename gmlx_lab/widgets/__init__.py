@@ -12,6 +12,7 @@ draws them through anywidget, offline).
 from __future__ import annotations
 
 import html
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..viz import figures
 from ..viz import tradeoff as tradeoff_viz
 from ..viz.figures import scheme_color
 from ..viz.quant import outlier_ratio
+from ..viz.say import Say
 from .experiments import WIDTHS, DraftApp, PasskeyApp, SchemePicker, WeightsApp, draft_app, passkey_app, weights_app
 
 __all__ = ["CompareApp", "DraftApp", "ModelPicker", "PasskeyApp", "SchemePicker", "WeightsApp", "compare",
@@ -213,6 +215,7 @@ class CompareApp:
         self.legend = W.HTML(tradeoff_viz.kl_legend_html())
         self.columns = W.HBox(layout={"width": "100%", "align_items": "stretch"})
         self.stats = W.HTML()
+        self.summary = W.Output()  # what the run shows, in sentences built from its values (LiveCompare.summary)
         self.strip = go.FigureWidget()  # the equal-memory strip, drawn when a generation ends
         self.strip.layout.height = 40  # empty until then
         self.live: LiveCompare | None = None
@@ -293,6 +296,7 @@ class CompareApp:
             box.add_class("gmlx-column")  # for the browser test
         self.columns.children = boxes
         self.stats.value = "<small><i>the table and the equal-memory figure appear when this run ends</i></small>"
+        self.summary.clear_output()
         with self.strip.batch_update():  # nothing of the previous run stays on screen
             self.strip.data = []
             self.strip.layout = {"height": 40}
@@ -301,6 +305,7 @@ class CompareApp:
         skipped = f"<br><span style='color:#c00'>skipped: {'; '.join(problems)}</span>" if problems else ""
         how = f"<br><small>{html.escape(self.live.sampling)}</small>"
         model = html.escape(getattr(self.model, "gmlx_name", "the model"))
+        start = time.perf_counter()
         try:
             for col in self.live.prefill():
                 self.status.value = (f"<b>reading the prompt</b> ({len(ids)} tokens, {model}) into each cache: "
@@ -313,11 +318,15 @@ class CompareApp:
                 self._draw_columns(boxes)
         finally:
             self.run.disabled, self.run.description, self.run.icon = False, "Generate", "play"
-        self.status.value = (f"done: {min(len(c.tokens) for c in self.live.columns)}+ tokens per column · context "
-                             f"{self.live.context} tokens = {len(ids)} prompt ({self.context.value} of the bundled "
-                             f"text + your prompt) + the generated ones · {model}{how}{skipped}")
+        seconds = time.perf_counter() - start
+        self.status.value = (f"done: {min(len(c.tokens) for c in self.live.columns)}+ tokens per column in "
+                             f"{seconds:.0f} s (prompt included) · context {self.live.context} tokens = {len(ids)} "
+                             f"prompt ({self.context.value} of the bundled text + your prompt) + the generated ones · "
+                             f"{model}{how}{skipped}")
         self._draw_columns(boxes)
         self._draw_stats()
+        with self.summary:
+            display(Say(self.live.summary()))
 
     def _draw_columns(self, boxes: list[W.HTML]) -> None:
         ref = self.live.columns[0]
@@ -361,8 +370,8 @@ class CompareApp:
                       W.HBox([W.Label("schemes beside fp16:", layout={"margin": "0 12px 0 0"}),
                               *self.schemes.values()]),
                       W.HBox([self.k_bits, self.linked, self.v_bits, self.tail]), self.applies,
-                      W.HBox([self.run, self.progress]), self.status, self.legend, self.columns, self.stats,
-                      self.strip])
+                      W.HBox([self.run, self.progress]), self.status, self.legend, self.columns, self.summary,
+                      self.stats, self.strip])
         box.add_class("gmlx-compare")
         return box
 
