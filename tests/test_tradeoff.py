@@ -141,3 +141,25 @@ def test_kl_shades_one_fixed_log_scale() -> None:
     assert viz.kl_color(hi) == viz.kl_color(10 * hi) != viz.kl_color(lo)  # clipped above, shaded from lo up
     legend = viz.kl_legend_html()
     assert "1e-5" in legend and "1e0" in legend and "fixed log scale" in legend
+
+
+def test_pairs_compare_at_equal_width_and_at_equal_memory() -> None:
+    """Notebook 07's sentences: kvarn against affine at the same width, and against the affine caches of about its
+    size; the verdict word follows the numbers."""
+    points = _points()
+    width = tradeoff.pairs(points, by="width")
+    labels = {(a.label, b.label) for a, b in width}
+    assert labels >= {("kvarn4 tail=0", "affine4 g64"), ("kvarn4 tail=128", "affine4 g64")}
+    assert all(a.bits == b.bits and not a.split for a, b in width)
+    memory = tradeoff.pairs(points, by="memory")
+    assert [(a.label, b.label) for a, b in memory][:1] == [("kvarn2 tail=0", "affine4 g64")]
+    assert all(abs(a.share_of_fp16 - b.share_of_fp16) < 0.02 for a, b in memory)
+    by = {p.label: p for p in points}
+    assert tradeoff.versus(by["kvarn2 tail=0"], by["affine4 g64"]).startswith(
+        "kvarn2 tail=0 (37.6% of fp16, KL 2.1e-03) has 2.3 times less KL than affine4 g64 (37.1%")
+    assert "times more KL than" in tradeoff.versus(by["affine4 g64"], by["kvarn2 tail=0"])
+    assert "about the KL of" in tradeoff.versus(by["affine4 g64"], by["affine4 g64"])
+    with pytest.raises(ValueError, match="accepted: 'width', 'memory'"):
+        tradeoff.pairs(points, by="bits")
+    with pytest.raises(ValueError, match="two points with KL > 0"):
+        tradeoff.versus(by["fp16"], by["affine4 g64"])

@@ -79,6 +79,8 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
                       xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
                       legend_title_text="scheme (width in bits)")
     style = _family_styles(rest)
+    xs = [p.bytes_per_token / 1024 for p in rest]
+    crowded = bool(xs) and max(xs) - min(xs) < 0.15 * 1.1 * widest  # near-vertical lines: labels beside, not above
     for i, fam in enumerate(style):
         for split in (False, True):
             pts = sorted((p for p in rest if p.family == fam and p.split == split), key=lambda p: p.bytes_per_token)
@@ -88,13 +90,15 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
                 x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts],
                 name=f"{fam}, K and V widths differ" if split else fam,
                 mode="markers+text" if split else "lines+markers+text", text=[p.width for p in pts],
-                textposition="middle right" if split else ("bottom center" if i % 2 else "top center"),
+                textposition=("middle right" if split or (crowded and i % 2) else "middle left" if crowded
+                              else "bottom center" if i % 2 else "top center"),
                 marker={"size": 10 if split else 8, "symbol": "diamond-open" if split else style[fam]["symbol"],
                         "color": style[fam]["color"]},
                 line={"color": style[fam]["color"], "dash": style[fam]["dash"]}, customdata=[p.label for p in pts],
                 hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
-    fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE),
-                  annotation_text=f"fp16 {ref / 1024:.3g} KiB/token", annotation_position="top left")
+    fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE))
+    fig.add_annotation(x=ref / 1024, y=1, yref="paper", yanchor="bottom", xanchor="right", showarrow=False,
+                       text=f"fp16 {ref / 1024:.3g} KiB/token", font={"size": 11})  # above the points
     note = f"; KL 0 (nothing quantized): {', '.join(zero)}" if zero else ""
     fig.update_layout(title=(title or f"{model} at {context} tokens: fidelity against memory") + note)
     return fig
