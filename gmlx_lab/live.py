@@ -272,14 +272,21 @@ class LiveCompare:
         parts = [f"{c.label} " + ("all along" if self.parted_at(c) is None else f"until token {self.parted_at(c)}")
                  for c in kept]
         lines.append(f"- fp16's text is kept longest by **{kept[0].label}**: " + "; ".join(parts) + ".")
+        fp16_still = [c for c in others if quantized_tokens(c.holdings()) == 0]
+        if fp16_still:
+            which = "that cache is" if len(fp16_still) == 1 else "those caches are"
+            lines.append(f"- {', '.join(c.label for c in fp16_still)} quantized nothing yet: the fp16 sink and tail "
+                         f"cover the whole {self.context}-token context, so {which} fp16, at fp16's size (a longer "
+                         "`text before` or a shorter tail changes that).")
+        others = [c for c in others if c not in fp16_still]
+        if not others:
+            return "\n".join(lines)
         mean = {c.label: float(np.mean(c.kl)) if c.kl else 0.0 for c in others}
         close, far = min(others, key=lambda c: mean[c.label]), max(others, key=lambda c: mean[c.label])
-        if mean[close.label] > 0 and close is not far:
+        if close is not far:
             lines.append(f"- Closest to fp16's distribution: **{close.label}**, mean KL {mean[close.label]:.1e} nats "
-                         f"per token, {mean[far.label] / mean[close.label]:.3g} times below {far.label}'s "
-                         f"{mean[far.label]:.1e}.")
-        elif mean[close.label] == 0:
-            lines.append(f"- **{close.label}** has KL 0: nothing of its cache is quantized yet at this context.")
+                         f"per token, {mean[far.label] / max(mean[close.label], 1e-30):.3g} times below "
+                         f"{far.label}'s {mean[far.label]:.1e}.")
         share = {c.label: by_label[c.label].share_of_fp16 for c in others}
         big, small = max(others, key=lambda c: share[c.label]), min(others, key=lambda c: share[c.label])
         lines.append(f"- The largest quantized cache is **{big.label}** ({100 * share[big.label]:.0f}% of fp16's"

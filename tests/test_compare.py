@@ -134,7 +134,7 @@ def test_app_streams_every_column_and_enables_only_the_controls_that_apply(bundl
     assert "done: 5+ tokens per column" in app.status.value and "context 170 tokens" in app.status.value
     kvarn_box = app.columns.children[[c.scheme for c in app.live.columns].index("kvarn")].value
     assert "nothing quantized yet" in kvarn_box and "sink 128" in kvarn_box  # tail 1024 covers 170 tokens
-    assert "title='token 0: KL" in kvarn_box and len(app.strip.data) >= 2  # shaded tokens, the equal-memory strip
+    assert "title='token 0: KL" in kvarn_box and len(app.figure.data) >= 2  # shaded tokens, the equal-memory figure
     assert not (app.tail.disabled or app.v_bits.disabled or app.k_bits.disabled)
     assert "cache: 170 tokens, all fp16" in app.columns.children[0].value
     app.schemes["kvarn"].value = False  # only affine schemes left: one width, no tail
@@ -161,11 +161,10 @@ def test_app_links_k_and_v_and_clears_the_previous_run(bundled, monkeypatch) -> 
     assert "<th style='padding:0 12px'>tokens/s" not in app.stats.value and "median KL" in app.stats.value
     seen = []  # what the stats and the figure show while the next run streams
     draw = app._draw_columns
-    monkeypatch.setattr(app, "_draw_columns", lambda boxes: (seen.append((app.stats.value, len(app.strip.data))),
-                                                             draw(boxes)))
+    monkeypatch.setattr(app, "_draw_columns", lambda boxes: (seen.append((app.stats.value, app.figure)), draw(boxes)))
     app.generate()
-    assert seen and all("appear when this run ends" in text and n == 0 for text, n in seen[:-1])
-    assert len(app.strip.data) >= 1 and "median KL" in app.stats.value
+    assert seen and all("appear when this run ends" in text and fig is None for text, fig in seen[:-1])
+    assert app.figure is not None and "median KL" in app.stats.value
 
 
 def test_quick_model_is_gemma_on_a_gpu_and_the_bundled_model_on_a_cpu() -> None:

@@ -198,7 +198,8 @@ class CompareApp:
         self.temperature = W.Dropdown(options=[("greedy" if t == 0 else f"{t:g}", t) for t in temperatures],
                                       value=float(temperature), description="temperature",
                                       tooltip="0: greedy; otherwise every column samples with the same random "
-                                              "numbers", layout={"width": "200px"})
+                                              "numbers", layout={"width": "220px"},
+                                      style={"description_width": "initial"})
         self.seed = W.BoundedIntText(value=seed, min=0, max=2**31 - 1, description="seed", layout={"width": "160px"})
         self.schemes = {n: W.Checkbox(value=True, description=n, indent=False, tooltip=get_scheme(n).summary,
                                       layout={"width": "auto", "margin": "0 16px 0 0"}) for n in names}
@@ -216,9 +217,9 @@ class CompareApp:
         self.columns = W.HBox(layout={"width": "100%", "align_items": "stretch"})
         self.stats = W.HTML()
         self.summary = W.Output()  # what the run shows, in sentences built from its values (LiveCompare.summary)
-        self.strip = go.FigureWidget()  # the equal-memory strip, drawn when a generation ends
-        self.strip.layout.height = 40  # empty until then
+        self.strip = W.Output()  # the equal-memory figure, drawn when a generation ends
         self.live: LiveCompare | None = None
+        self.figure: go.Figure | None = None  # the last run's equal-memory figure
         self.k_bits.observe(lambda change: self._follow(self.v_bits, change["new"]), "value")
         self.v_bits.observe(lambda change: self._follow(self.k_bits, change["new"]), "value")
         self.linked.observe(lambda change: self._relink(change["new"]), "value")
@@ -296,10 +297,9 @@ class CompareApp:
             box.add_class("gmlx-column")  # for the browser test
         self.columns.children = boxes
         self.stats.value = "<small><i>the table and the equal-memory figure appear when this run ends</i></small>"
-        self.summary.clear_output()
-        with self.strip.batch_update():  # nothing of the previous run stays on screen
-            self.strip.data = []
-            self.strip.layout = {"height": 40}
+        self.summary.clear_output()  # nothing of the previous run stays on screen
+        self.strip.clear_output()
+        self.figure = None
         self.run.disabled, self.run.description, self.run.icon = True, "Generating…", "spinner"
         self.progress.max, self.progress.value = self.live.max_tokens, 0
         skipped = f"<br><span style='color:#c00'>skipped: {'; '.join(problems)}</span>" if problems else ""
@@ -357,13 +357,10 @@ class CompareApp:
                             "at its bytes per token, so compare schemes at equal memory across it. No speed is shown: "
                             "the columns take turns on one machine, so their tokens/s would not compare fairly."
                             "</small>")
-        fresh = tradeoff_viz.tradeoff_figure(points, height=320, title=(
+        self.figure = tradeoff_viz.tradeoff_figure(points, height=320, title=(
             f"equal memory at {points[0].context} tokens: KL against cache size"))
-        with self.strip.batch_update():
-            self.strip.data = []
-            for trace in fresh.data:
-                self.strip.add_trace(trace)
-            self.strip.layout = fresh.layout
+        with self.strip:
+            display(self.figure)
 
     def widget(self) -> W.Widget:
         box = W.VBox([self.prompt, W.HBox([self.context, self.max_tokens, self.temperature, self.seed]),
