@@ -74,8 +74,10 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
     ref = fp16[0].bytes_per_token if fp16 else points[0].fp16_bytes_per_token
     widest = max([ref, *(p.bytes_per_token for p in rest)]) / 1024
     fig = go.Figure()
-    fig.update_layout(**LAYOUT, height=height, yaxis={"type": "log", "dtick": 1, "exponentformat": "e"},
-                      xaxis={"range": [0, 1.1 * widest]},
+    kls = [p.kl for p in rest] or [1e-3]
+    decades = [math.floor(math.log10(min(kls))) - 0.15, math.ceil(math.log10(max(kls))) + 0.15]  # a label each end
+    fig.update_layout(**LAYOUT, height=height, xaxis={"range": [0, 1.1 * widest]},
+                      yaxis={"type": "log", "dtick": 1, "exponentformat": "e", "range": decades},
                       xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
                       legend_title_text="scheme (width in bits)")
     style = _family_styles(rest)
