@@ -1,7 +1,7 @@
 """Beyond KL at full size: passkey retrieval, draft acceptance, KV on quantized weights (issue 17).
 
-    python benchmarks/beyond_kl.py --model gemma3-270m        # -> results/beyond-kl-gemma3-270m.json
-    python benchmarks/beyond_kl.py --model teaching-llama     # -> results/beyond-kl-teaching-llama.json
+    python benchmarks/beyond_kl.py --model gemma3-270m        # -> results/beyond-kl-gemma3-270m-cpu.json
+    python benchmarks/beyond_kl.py --model teaching-llama     # -> results/beyond-kl-teaching-llama-cpu.json
     python benchmarks/beyond_kl.py --model gemma3-270m --sections weights_kv   # one section, the others kept
 
 Each model has a preset (PRESETS): the sizes chosen so that both models together run in about 25 minutes
@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from gmlx_lab.cli import eval_prompts, load_model
-from gmlx_lab.experiments import (
+from gmlx_lab.doctor import machine_tag
+from gmlx_lab.kv_inspect import EVAL_TEXT
+from gmlx_lab.measure.experiments import (
     draft_acceptance,
     layer_skip_draft,
     passkey,
     weights_and_kv,
 )
-from gmlx_lab.kv_inspect import EVAL_TEXT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -72,7 +73,7 @@ METHODS = {
     "passkey_own_prefill": ("As passkey, but each scheme prefills the context through its own cache (one chunk of "
                             "up to 2048 tokens), so affine's deeper layers also see its error during the prefill."),
     "draft": ("Greedy speculative decoding with mlx-lm's speculative_generate_step. The draft is the target's own "
-              "embedding, first N layers and final norm/head (gmlx_lab.experiments.layer_skip_draft: shared "
+              "embedding, first N layers and final norm/head (gmlx_lab.measure.experiments.layer_skip_draft: shared "
               "weights, no training) with an fp16 cache; N = all layers is the target itself with an fp16 cache, "
               "so its acceptance is the share of steps where the quantized-cache target agrees with fp16. Prompts "
               "from the bundled evaluation text. acceptance = accepted / drafted; tokens per step = tokens / "
@@ -123,14 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gemma3-270m", choices=sorted(PRESETS))
     parser.add_argument("--sections", default="", help="comma-separated sections of the preset (default: all)")
-    parser.add_argument("--out", default=None, help="file under benchmarks/results/ (default beyond-kl-MODEL.json)")
+    parser.add_argument("--out", default=None,
+                        help="file under benchmarks/results/ (default: beyond-kl-MODEL-MACHINE.json)")
     args = parser.parse_args(argv)
     preset = PRESETS[args.model]
     sections = [s for s in args.sections.split(",") if s] or list(preset)
     unknown = [s for s in sections if s not in preset]
     if unknown:
         parser.error(f"{args.model} has no section {unknown}; it has {', '.join(preset)}")
-    out = RESULTS / (args.out or f"beyond-kl-{args.model}.json")
+    out = RESULTS / (args.out or f"beyond-kl-{args.model}-{machine_tag()}.json")
     data = json.loads(out.read_text()) if out.is_file() else {"model": args.model, "sections": {}}
     model, tokenizer = load_model(args.model)
     for name in sections:

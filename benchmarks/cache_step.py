@@ -30,10 +30,10 @@ import mlx_lm.models.base as mlx_base
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from model_decode import MLX_LM_SCHEMES, device_name, git_commit
 
-from gmlx_lab.cache import attention
-from gmlx_lab.fidelity import parse_scheme_spec
+from gmlx_lab import mlx_lm_hooks
 from gmlx_lab.kernels import active_backend
 from gmlx_lab.registry import get_scheme
+from gmlx_lab.specs import parse_scheme_spec
 
 CHUNK = 2048  # prefill chunk, as model_decode.py
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/cache_step.json")
     args = parser.parse_args(argv)
-    attention.install()  # mlx-lm's attention entry point routes to a gmlx_lab cache's `attend`, as in a model
+    mlx_lm_hooks.install()  # mlx-lm's attention entry point routes to a gmlx_lab cache's `attend`, as in a model
     if args.context < CHUNK or args.context % CHUNK:
         parser.error(f"--context {args.context}: a multiple of the {CHUNK}-token prefill chunk")
     rows = []

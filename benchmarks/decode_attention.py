@@ -23,12 +23,10 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.kvarn import KVarNCache
-from gmlx_lab.kernels import active_backend, seal_records
-from gmlx_lab.kernels import decode as fused
+from gmlx_lab.kernels import active_backend, config, seal_records
 from gmlx_lab.records import encode_tokens
 
 HQ, HKV, D = 32, 8, 128
-default_prefetch = fused.kvarn_prefetch
 
 
 def timed(fn: Callable[[], mx.array], iters: int, repeats: int) -> tuple[float, float]:
@@ -56,9 +54,10 @@ def nbytes(*arrays: mx.array | None) -> int:
     return sum(a.nbytes for a in arrays if a is not None)
 
 
+RING_IMPLS = {f"fused_kvarn{b}_ring_{ring}": (b, ring) for b in (6, 4) for ring in ("on", "off")}
 IMPLS = ("fp16_sdpa", "mlx_lm_affine8", "mlx_lm_affine4", "fused_affine8", "fused_affine4", "fused_kvarn6",
-         "fused_kvarn4", *(f"fused_kvarn{b}_prefetch{level}" for b in (6, 4) for level in fused.PREFETCH_LEVELS))
-DEFAULT_IMPLS = IMPLS[:7]  # the _prefetch rows: kvarn_decode at each decode.kvarn_prefetch level, side by side
+         "fused_kvarn4", *RING_IMPLS)
+DEFAULT_IMPLS = IMPLS[:7]  # the _ring rows: kvarn_decode with its ring on and off whatever the setting, side by side
 
 
 def copies_for(read: int, cold_bytes: int) -> int:
@@ -78,16 +77,62 @@ def cycling(calls: list[Callable[[], mx.array]]) -> Callable[[], mx.array]:
     return call
 
 
-def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS, cold_bytes: int = 0
-                  ) -> list[dict]:
-    """The chosen implementations (fp16 SDPA always: the ratios need it) at one context length. With
-    `cold_bytes`, each one cycles through copies of its cache that together hold that many bytes (copies_for)."""
+Call = tuple[Callable[[], mx.array], int, dict]
+
+
+def sdpa_state(q: mx.array, k: mx.array, v: mx.array, scale: float) -> Call:
+    """fp16 SDPA over its own copy of k, v: (call, bytes read a call, extra row fields)."""
+    kc, vc = k + 0, v + 0  # buffers of their own
+    mx.eval(kc, vc)
+    return lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=scale), nbytes(kc, vc), {}
+
+
+def mlx_lm_affine_state(q: mx.array, k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
+    """mlx-lm's quantized attention (two quantized_matmul) at `bits`, group 64."""
+    qk = mx.quantize(k, group_size=64, bits=bits)
+    qv = mx.quantize(v, group_size=64, bits=bits)
+    mx.eval(qk, qv)
+    return (lambda: quantized_scaled_dot_product_attention(q, qk, qv, scale=scale, mask=None, group_size=64,
+                                                           bits=bits), nbytes(*qk, *qv), {})
+
+
+def fused_affine_state(q: mx.array, k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
+    """gmlx's AffineCache on its fused decode path."""
+    c = AffineCache(bits, 64)
+    kk, vv = c.update_and_fetch(k, v)
+    c.attention_path = "fused"
+    mx.eval(c.state[:2])
+    return lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"], {}
+
+
+def fused_kvarn_state(q: mx.array, k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
+    """gmlx's KVarNCache (tail 1024) on its fused decode path, in the steady state of a decode step."""
+    c = KVarNCache(bits, bits, kv_tail_tokens=1024)
+    c.update_and_fetch(k, v)
+    c.seal()  # what the next token would seal: the steady state of a decode step
+    c.attention_path = "fused"
+    kk, vv = c.fetch(q.dtype, decode_step=True)  # (a graph the fused path never evaluates)
+    mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.body])
+    return (lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"],
+            {"records": c.n_records})
+
+
+def random_qkv(tokens: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Queries (1, HQ, 1, D) and a context's K, V (1, HKV, tokens, D), float16, seeded by the context."""
     mx.random.seed(tokens)
     k = mx.random.normal((1, HKV, tokens, D)).astype(mx.float16)
     v = mx.random.normal((1, HKV, tokens, D)).astype(mx.float16)
     q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
-    scale = D**-0.5
     mx.eval(k, v, q)
+    return q, k, v
+
+
+def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS, cold_bytes: int = 0
+                  ) -> list[dict]:
+    """The chosen implementations (fp16 SDPA always: the ratios need it) at one context length. With
+    `cold_bytes`, each one cycles through copies of its cache that together hold that many bytes (copies_for)."""
+    q, k, v = random_qkv(tokens)
+    scale = D**-0.5
     rows = []
 
     def add(impl: str, make: Callable[[], tuple[Callable[[], mx.array], int, dict]]) -> None:
@@ -104,51 +149,23 @@ def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] 
         print(f"{impl:16s} {tokens:7d} {us:9.1f} us (+{build:5.1f} us graph)  {read / us / 1e3:7.1f} GB/s"
               f"  ({n} {'copies' if n > 1 else 'copy'})", flush=True)
 
-    def sdpa() -> tuple[Callable[[], mx.array], int, dict]:
-        kc, vc = k + 0, v + 0  # buffers of their own
-        mx.eval(kc, vc)
-        return lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=scale), nbytes(kc, vc), {}
-
-    def mlx_lm_affine(bits: int) -> tuple[Callable[[], mx.array], int, dict]:
-        qk = mx.quantize(k, group_size=64, bits=bits)
-        qv = mx.quantize(v, group_size=64, bits=bits)
-        mx.eval(qk, qv)
-        return (lambda: quantized_scaled_dot_product_attention(q, qk, qv, scale=scale, mask=None, group_size=64,
-                                                               bits=bits), nbytes(*qk, *qv), {})
-
-    def fused_affine(bits: int) -> tuple[Callable[[], mx.array], int, dict]:
-        c = AffineCache(bits, 64)
-        kk, vv = c.update_and_fetch(k, v)
-        c.attention_path = "fused"
-        mx.eval(c.state[:2])
-        return lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"], {}
-
-    def fused_kvarn(bits: int) -> tuple[Callable[[], mx.array], int, dict]:
-        c = KVarNCache(bits, bits, kv_tail_tokens=1024)
-        c.update_and_fetch(k, v)
-        c.seal()  # what the next token would seal: the steady state of a decode step
-        c.attention_path = "fused"
-        kk, vv = c.fetch(q.dtype, decode_step=True)  # (a graph the fused path never evaluates)
-        mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.body])
-        return (lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"],
-                {"records": c.n_records})
-
-    add("fp16_sdpa", sdpa)
+    add("fp16_sdpa", lambda: sdpa_state(q, k, v, scale))
     for bits in (8, 4):
-        add(f"mlx_lm_affine{bits}", lambda bits=bits: mlx_lm_affine(bits))
+        add(f"mlx_lm_affine{bits}", lambda bits=bits: mlx_lm_affine_state(q, k, v, scale, bits))
     for bits in (8, 4):
-        add(f"fused_affine{bits}", lambda bits=bits: fused_affine(bits))
-    kvarn = [(b, None) for b in (6, 4)] + [(b, level) for b in (6, 4) for level in fused.PREFETCH_LEVELS]
-    for bits, level in kvarn:
-        fused.kvarn_prefetch = default_prefetch if level is None else level  # the plan (the graph's key) carries it
-        add(f"fused_kvarn{bits}{'' if level is None else f'_prefetch{level}'}", lambda bits=bits: fused_kvarn(bits))
-    fused.kvarn_prefetch = default_prefetch
+        add(f"fused_affine{bits}", lambda bits=bits: fused_affine_state(q, k, v, scale, bits))
+    for bits in (6, 4):
+        add(f"fused_kvarn{bits}", lambda bits=bits: fused_kvarn_state(q, k, v, scale, bits))
+    for impl, (bits, ring) in RING_IMPLS.items():
+        with config.configured(ring=ring):  # the plan (the compiled graph's key) carries it
+            add(impl, lambda bits=bits: fused_kvarn_state(q, k, v, scale, bits))
     base = next(r["us"] for r in rows if r["impl"] == "fp16_sdpa")
     for r in rows:
         r["ratio_to_fp16"] = round(r["us"] / base, 3)
-        if r["impl"].startswith("fused_affine"):  # speed-up over mlx-lm's path at the same width
-            ref = next(x["us"] for x in rows if x["impl"] == "mlx_lm_" + r["impl"].removeprefix("fused_"))
-            r["speedup_vs_mlx_lm"] = round(ref / r["us"], 3)
+        if r["impl"].startswith("fused_affine"):  # speed-up over mlx-lm's path at the same width, if it ran
+            ref = next((x["us"] for x in rows if x["impl"] == "mlx_lm_" + r["impl"].removeprefix("fused_")), None)
+            if ref is not None:
+                r["speedup_vs_mlx_lm"] = round(ref / r["us"], 3)
     return rows
 
 
@@ -212,8 +229,7 @@ def main() -> None:
                         "after warm-up; us = the eval, build_us = graph building before it; each call reads the "
                         "next of `copies` copies of its cache (--cold-mb)",
               "cold_mb": args.cold_mb,
-              "kernel_settings": {"kvarn_prefetch_default": default_prefetch,
-                                  "kvarn_min_blocks": fused.kvarn_min_blocks},
+              "kernel_settings": config.as_dict(),
               "note": args.note, "rows": rows, "seal": seal}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

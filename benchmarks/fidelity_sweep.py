@@ -2,13 +2,13 @@
 
     python benchmarks/fidelity_sweep.py                                   # teaching-llama, all sweeps
     python benchmarks/fidelity_sweep.py --prefill 4000 --sweeps none \\
-        --schemes affine2,affine4,affine8,kvarn2,kvarn4,kvarn6 --out fidelity-teaching-llama-4k.json
+        --schemes affine2,affine4,affine8,kvarn2,kvarn4,kvarn6 --out fidelity-teaching-llama-4k-cpu.json
     python benchmarks/fidelity_sweep.py --model smollm2-135m --sweeps none \\
-        --schemes fp16,affine2,affine3,affine4,affine6,affine8 --layer-schemes "" --out fidelity-smollm2-135m.json
+        --schemes fp16,affine2,affine3,affine4,affine6,affine8 --layer-schemes "" --out fidelity-smollm2-135m-cpu.json
     python benchmarks/fidelity_sweep.py --model gemma3-270m --sweeps none --layer-schemes "" --prefill 1024 \\
         --decode 64 --schemes affine4,kvarn4:tail=128 --policies "default;last;last+sliding"
 
-Sweeps (gmlx_lab.fidelity.SWEEPS): widths (fp16, affine 2-8, kvarn 2-8 at tails 0 and
+Sweeps (gmlx_lab.measure.fidelity.SWEEPS): widths (fp16, affine 2-8, kvarn 2-8 at tails 0 and
 128), tails, split (kvarn k8v4 vs k4v8), ladder (affine -> affine_rot -> kvarn at equal
 width); --layer-schemes adds one-layer-at-a-time sensitivity runs. Every run shares
 one fp16 reference. --policies runs every scheme under each listed policy: "default" (gmlx's rule) or
@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
-from gmlx_lab.fidelity import SWEEPS, FidelityResult, fidelity, scheme_label, single_layer_policy
-from gmlx_lab.fidelity import parse_scheme_spec as parse
+from gmlx_lab.doctor import machine_tag
+from gmlx_lab.measure.fidelity import SWEEPS, FidelityResult, fidelity, single_layer_policy
 from gmlx_lab.policy import policy
 from gmlx_lab.registry import BASELINE
+from gmlx_lab.specs import parse_scheme_spec as parse
+from gmlx_lab.specs import scheme_label
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", default="", help="extra comma-separated specs")
     parser.add_argument("--layer-schemes", default="kvarn4:tail=0,affine4",
                         help="specs for one-layer-at-a-time sensitivity runs ('' for none)")
-    parser.add_argument("--out", default=None, help="file name under benchmarks/results/ (default from the model)")
+    parser.add_argument("--out", default=None, help="file under benchmarks/results/ (default: model and machine)")
     parser.add_argument("--note", default="", help="a caveat stored with the results")
     parser.add_argument("--policies", default="default",
                         help="';'-separated policies each scheme runs under: default, or overrides such as "
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         s.label = label
     seconds = time.perf_counter() - t0
     checks = expected_checks(result)
-    name = args.out or f"fidelity-{result.model}.json"
+    name = args.out or f"fidelity-{result.model}-{machine_tag()}.json"
     out = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

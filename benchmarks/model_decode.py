@@ -28,8 +28,9 @@ adds rows (scheme name + "_unchecked") with the caches' finiteness check of arri
 cost is measured side by side. `--probes kvarn6/lean-fetch,kvarn6/all,...` (GPU only) adds what-if rows: each
 probe removes one piece of a fused decode step's host work (PROBES), so its row bounds what removing that piece
 for real would gain; a probe's attention output is wrong, only its timing is read (except `uncompiled`, which
-measures the decode attention built in Python every step, as before it was compiled, and `one-launch`, the split
-kernels merging their own splits on CUDA, GMLX_MERGE_IN_KERNEL=1: their outputs are right).
+measures the decode attention built in Python every step, as before it was compiled, `one-launch`, the split
+kernels merging their own splits on CUDA, and `ring-on` / `ring-off`, kvarn_decode's ring whatever the setting
+`ring` says: the kernel settings of kernels/config.py, whose outputs are right).
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -66,8 +67,7 @@ from gmlx_lab import make_cache
 from gmlx_lab.cache import AffineCache, GmlxCache, KVarNCache
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.fidelity import parse_scheme_spec, scheme_label
-from gmlx_lab.kernels import active_backend, build
-from gmlx_lab.kernels import decode as fused
+from gmlx_lab.kernels import active_backend, config
 from gmlx_lab.policy import model_name
 
 MLX_LM_SCHEMES = {"mlx_lm_fp16": None, "mlx_lm_affine8": 8, "mlx_lm_affine4": 4}
@@ -148,43 +148,17 @@ def lean_fetch() -> Any:
         KVarNCache.fetch, AffineCache.stored = kvarn_fetch, affine_stored
 
 
-@contextlib.contextmanager
-def uncompiled() -> Any:
-    """Probe: decode attention builds its two kernel calls in Python at every step instead of replaying one
-    compiled graph per launch geometry (build.run_graph): what compiling it saves. Its output is right."""
-    build.compile_graphs = False
-    try:
-        yield
-    finally:
-        build.compile_graphs = True
+def setting(**settings: Any) -> Any:
+    """Probe: decode steps under these kernel settings (kernels/config.py; the plans and compiled graphs carry
+    them): `uncompiled`, the decode attention built in Python every step instead of replayed from one compiled
+    graph per launch geometry; `one-launch`, the split kernels merging their own splits on CUDA; `ring-on` /
+    `ring-off`, kvarn_decode's cp.async ring. Their outputs are right."""
+    return lambda: config.configured(**settings)
 
 
-@contextlib.contextmanager
-def one_launch() -> Any:
-    """Probe: the split kernels merge their own splits on CUDA (the last threadgroup of each kv head, one launch a
-    layer) instead of a second launch, split_merge: what that saves or costs. Its output is right."""
-    before, fused.merge_in_kernel = fused.merge_in_kernel, True  # the plan (the compiled graph's key) carries it
-    try:
-        yield
-    finally:
-        fused.merge_in_kernel = before
-
-
-def prefetch(level: int) -> Any:
-    """Probe: kvarn_decode at prefetch level `level` (decode.PREFETCH_LEVELS: what it loads ahead of its
-    tensor-core products) whatever the default: what each level gains or costs. Its output is right."""
-    @contextlib.contextmanager
-    def probe() -> Any:
-        before, fused.kvarn_prefetch = fused.kvarn_prefetch, level  # the plan (the compiled graph's key) carries it
-        try:
-            yield
-        finally:
-            fused.kvarn_prefetch = before
-    return probe
-
-
-PROBES = {"lean-fetch": lean_fetch, "uncompiled": uncompiled, "one-launch": one_launch,
-          **{f"prefetch{level}": prefetch(level) for level in fused.PREFETCH_LEVELS}}
+PROBES = {"lean-fetch": lean_fetch, "uncompiled": setting(compile_graphs=False),
+          "one-launch": setting(merge_in_kernel=True), "two-launch": setting(merge_in_kernel=False),
+          "ring-on": setting(ring="on"), "ring-off": setting(ring="off")}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:
@@ -453,8 +427,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model: nn.Mod
         "model": model_name(model), "layers": len(model.layers), "weight_bits": args.weights,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine(), "seconds": round(seconds, 1),
-        "kernel_settings": {"compile_graphs": build.compile_graphs, "merge_in_kernel": fused.merge_in_kernel,
-                            "kvarn_prefetch": fused.kvarn_prefetch, "kvarn_min_blocks": fused.kvarn_min_blocks},
+        "kernel_settings": config.as_dict(),
         "tokens": "eval_text.txt, model tokenizer" if source == "text" else f"random ids, seed {args.seed}",
         "method": __doc__.split("\n\n", 2)[2].split("\nSchemes:")[0].strip(),
         "rows": rows,

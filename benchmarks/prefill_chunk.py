@@ -32,7 +32,8 @@ import mlx.core as mx
 from fidelity_sweep import machine
 from model_decode import device_name, git_commit
 
-from gmlx_lab.cache import AffineCache, FP16Cache, KVarNCache, attention
+from gmlx_lab import mlx_lm_hooks
+from gmlx_lab.cache import AffineCache, FP16Cache, KVarNCache
 from gmlx_lab.kernels import active_backend, seal_records
 from gmlx_lab.records import TILE, encode_tokens
 
@@ -104,7 +105,7 @@ def measure(context: int, chunk: int, repeats: int, dtype: mx.Dtype) -> list[dic
         def step(cache: Any = cache) -> list[mx.array]:
             c = copy.deepcopy(cache)
             keys, values = c.update_and_fetch(k, v)
-            out = attention.scaled_dot_product_attention(q, keys, values, cache=c, scale=scale, mask="causal")
+            out = mlx_lm_hooks.scaled_dot_product_attention(q, keys, values, cache=c, scale=scale, mask="causal")
             return [out, *leaves(c.state)]
         row = {"scheme": name, "context": context, "chunk": chunk, "chunk_ms": median_ms(step, repeats),
                "sdpa_ms": sdpa}

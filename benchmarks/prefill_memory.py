@@ -7,7 +7,7 @@
 
 Peak memory is MLX's own counter (mx.reset_peak_memory / mx.get_peak_memory), which
 the CPU backend keeps too; `above_start` leaves out what was allocated before the
-prefill (the weights). Writes benchmarks/results/memory-<model>.json. --policies: as in fidelity_sweep.py
+prefill (the weights). Writes benchmarks/results/memory-<model>-<machine>.json. --policies: as in fidelity_sweep.py
 (each scheme under gmlx's rule and under overrides such as last+sliding).
 """
 
@@ -22,10 +22,11 @@ from pathlib import Path
 from fidelity_sweep import RESULTS, machine, parse_policy
 
 from gmlx_lab.cli import MEMORY_SCHEMES, load_model, scheme_list
-from gmlx_lab.fidelity import parse_scheme_spec
-from gmlx_lab.memory import memory_report, prefill_peak
+from gmlx_lab.doctor import machine_tag
+from gmlx_lab.measure.memory import memory_report, prefill_peak
 from gmlx_lab.policy import policy
 from gmlx_lab.registry import BASELINE
+from gmlx_lab.specs import parse_scheme_spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in peaks:
         print(f"| {p['scheme']} | {p['step']} | {p['peak'] / 2**20:.1f} | {p['above_start'] / 2**20:.1f} "
               f"| {p['cache_bytes'] / 2**20:.2f} | {p['seconds']} |")
-    name = args.out or f"memory-{report.model}.json"
+    name = args.out or f"memory-{report.model}-{machine_tag()}.json"
     out = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine(), "policies": args.policies, "markdown": report.to_markdown(),

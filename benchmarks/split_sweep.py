@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from importlib.metadata import version
 
 import mlx.core as mx
@@ -23,7 +22,7 @@ from model_decode import device_name, git_commit
 
 from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.kvarn import KVarNCache
-from gmlx_lab.kernels import active_backend
+from gmlx_lab.kernels import active_backend, config
 from gmlx_lab.kernels.decode import (
     affine_partials,
     affine_plan,
@@ -91,8 +90,8 @@ def main() -> None:
         raise SystemExit("split_sweep.py times the GPU kernels; MLX runs on the CPU here")
     rows = [r for t in args.contexts for r in sweep_context(t, args.iters, args.repeats)]
     result = {"device": device_name(), "backend": active_backend(), "mlx": mx.__version__,
-              "mlx_lm": version("mlx-lm"), "commit": git_commit(), "split_merge_in_kernel":
-              os.environ.get("GMLX_MERGE_IN_KERNEL", "0") == "1", "method": __doc__.split("\n\n")[1].strip(),
+              "mlx_lm": version("mlx-lm"), "commit": git_commit(),
+              "kernel_settings": config.as_dict(), "method": __doc__.split("\n\n")[1].strip(),
               "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

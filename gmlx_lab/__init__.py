@@ -1,13 +1,39 @@
-"""gmlx_lab: learn, see and measure KV-cache quantization (fp16, affine, kvarn) on MLX."""
+"""gmlx_lab: learn, see and measure KV-cache quantization (fp16, affine, kvarn) on MLX.
+
+Tiers, lowest first (a module imports only from its own tier or below; tests/test_layout.py finds circles):
+  records, window            kvarn's format and the rolling window's rule (no cache class)
+  kernels                    the fused GPU kernels: arrays in, arrays out
+  registry, cache            the Scheme interface; the caches (mlx-lm's cache contract)
+  schemes, policy, specs     the built-in schemes; which layers a scheme takes; the spec grammar ("kvarn6:tail=128")
+  measure                    fidelity, audit, memory, sizes, tradeoff, experiments
+  viz, widgets, live, cli    figures, notebook widgets, the command line
+"""
 
 __version__ = "0.1.0"
 
-from . import schemes  # noqa: F401  (registers the built-in schemes)
+import sys
+from importlib import import_module
+
+from . import (
+    mlx_lm_hooks,
+    schemes,  # noqa: F401  (registers the built-in schemes, and their cache classes in mlx-lm)
+)
 from .cache import AffineCache, BlockCache, BlockScheme, FP16Cache, KVarNCache
-from .fidelity import audit, fidelity, parse_scheme_spec
+from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.memory etc., as before)
+from .measure.audit import audit
+from .measure.fidelity import fidelity
 from .models import available_models, load
 from .policy import Policy, PromptCache, make_cache, policy
 from .registry import SCHEMES, Option, Scheme, get_scheme, register_scheme
+from .specs import parse_scheme_spec
+
+mlx_lm_hooks.install()  # mlx-lm's attention routes to a cache's own `attend` (the one change gmlx_lab makes there)
+
+# The measurement modules' paths before they moved into gmlx_lab/measure/ still import (`from gmlx_lab.fidelity
+# import fidelity` in notebooks and scripts written before); `gmlx_lab.fidelity` and `gmlx_lab.audit` are the
+# functions.
+for _name in ("experiments", "fidelity", "memory", "metrics", "tradeoff"):
+    sys.modules[f"{__name__}.{_name}"] = import_module(f"{__name__}.measure.{_name}")
 
 __all__ = [
     "SCHEMES", "AffineCache", "BlockCache", "BlockScheme", "FP16Cache", "KVarNCache", "Option", "Policy",

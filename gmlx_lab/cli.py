@@ -75,8 +75,8 @@ def scheme_list(text: str, extra: tuple[str, ...] = ()) -> list[str]:
 
     Every spec is checked against the registry; names in `extra` (e.g. a benchmark's own baselines) pass as is.
     """
-    from .fidelity import parse_scheme_spec
     from .registry import SCHEMES
+    from .specs import parse_scheme_spec
 
     specs: list[str] = []
     for part in (p.strip() for p in text.split(",")):
@@ -123,8 +123,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def spec_policies(model: nn.Module, specs: list[str], args: argparse.Namespace) -> list[Any]:
     """The specs as they are (gmlx's rule), or as Policy objects with the command line's overrides."""
-    from .fidelity import parse_scheme_spec
     from .policy import policy
+    from .specs import parse_scheme_spec
 
     given = overrides(args)
     if not given:
@@ -140,8 +140,8 @@ def spec_policies(model: nn.Module, specs: list[str], args: argparse.Namespace) 
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from .fidelity import parse_scheme_spec
     from .policy import policy
+    from .specs import parse_scheme_spec
 
     specs = scheme_list(args.schemes)
     model, _ = load_model(args.model_name)
@@ -166,7 +166,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from .fidelity import fidelity, layer_sensitivity, sweep_specs
+    from .measure.fidelity import fidelity, layer_sensitivity, sweep_specs
 
     specs = sweep_specs(args.sweep) if args.sweep and args.sweep != "layers" else scheme_list(args.schemes)
     text = _read_text(args.text_file)
@@ -191,7 +191,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from .memory import memory_report
+    from .measure.memory import memory_report
 
     specs = scheme_list(args.schemes)
     model, _ = load_model(args.model)
@@ -208,9 +208,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .fidelity import audit, parse_scheme_spec
     from .kv_inspect import first_divergence, greedy
+    from .measure.audit import audit
     from .policy import policy
+    from .specs import parse_scheme_spec
 
     specs = scheme_list(args.schemes)
     model, tokenizer = load_model(args.model)
@@ -270,7 +271,7 @@ def number_list(text: str, kind: type = int) -> list[Any]:
 
 
 def cmd_passkey(args: argparse.Namespace) -> int:
-    from .experiments import passkey
+    from .measure.experiments import passkey
 
     specs = scheme_list(args.schemes)
     lengths, depths = number_list(args.lengths), number_list(args.depths, float)
@@ -297,7 +298,7 @@ def eval_prompts(tokenizer: Any, model: nn.Module, count: int, tokens: int) -> l
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
-    from .experiments import draft_acceptance, layer_skip_draft
+    from .measure.experiments import draft_acceptance, layer_skip_draft
 
     specs = scheme_list(args.schemes)
     model, tokenizer = load_model(args.model)
@@ -313,7 +314,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
 
 def cmd_weights_kv(args: argparse.Namespace) -> int:
-    from .experiments import parse_weight_bits, weights_and_kv
+    from .measure.experiments import parse_weight_bits, weights_and_kv
 
     specs = scheme_list(args.schemes)
     bits = parse_weight_bits(args.weight_bits)

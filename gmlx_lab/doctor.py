@@ -52,6 +52,16 @@ def doctor() -> dict[str, Any]:
     }
 
 
+def machine_tag() -> str:
+    """The machine in a result file's name: "cpu" on MLX's CPU backend, else the GPU's name in short ("h200" for
+    an NVIDIA H200, "apple-m3-max"), so results from different machines never share a file."""
+    if active_backend() == "cpu":
+        return "cpu"
+    name = mx.device_info().get("device_name", "") if hasattr(mx, "device_info") else ""
+    name = name.lower().removeprefix("nvidia ").strip() or active_backend()
+    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
+
+
 def to_text(report: dict[str, Any]) -> str:
     """The report as lines for a terminal or a notebook."""
     lines = [f"gmlx_lab {report['gmlx_lab']} · MLX {report['mlx']} · mlx-lm {report['mlx_lm']} · "

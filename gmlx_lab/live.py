@@ -29,13 +29,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .experiments import prefill
-from .fidelity import AuditReport, audit, fp16_equivalent, spec_policy
 from .kv_inspect import first_divergence
+from .measure.audit import AuditReport, audit, fp16_equivalent
+from .measure.experiments import prefill
+from .measure.tradeoff import TradeoffPoint
 from .models import BUNDLED_NAME, available_models
 from .policy import PromptCache, policy
 from .registry import BASELINE, get_scheme
-from .tradeoff import TradeoffPoint
+from .specs import spec_policy
 
 __all__ = ["GEMMA", "TEMPERATURE", "LiveColumn", "LiveCompare", "holdings", "quantized_tokens", "quick_model",
            "shared_draw"]

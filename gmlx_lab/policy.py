@@ -39,6 +39,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from . import window
 from .cache import GmlxCache
+from .kernels import config as kernel_config
 from .kernels import selfcheck
 from .registry import BASELINE, Scheme, get_scheme
 
@@ -214,10 +215,12 @@ class Policy:
     """A scheme applied to one model, layer by layer: `str()` is the [kv] line, `as_dict()` the report."""
 
     def __init__(self, model: nn.Module, name: str, scheme: str, options: dict[str, Any],
-                 layers: list[LayerDecision], max_kv_size: int | None = None, overrides: Overrides | None = None):
+                 layers: list[LayerDecision], max_kv_size: int | None = None, overrides: Overrides | None = None,
+                 environment: str = ""):
         self.model, self.name, self.scheme, self.options, self.layers = model, name, scheme, options, layers
         self.max_kv_size = max_kv_size  # the rolling window of the growing attention layers (window.py)
         self.overrides = overrides or Overrides()  # exploration beyond gmlx's rule (default: none)
+        self.environment = environment  # what the environment chose (Scheme.environment), '' for nothing
         self.fallbacks: dict[str, str] = {}  # kernels that failed their self-check, set by make_cache
 
     @property
@@ -256,8 +259,12 @@ class Policy:
         return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._notes()}"
 
     def _notes(self) -> str:
-        """What the [kv] line adds: the rolling window, and kernels that failed their self-check."""
+        """What the [kv] line adds: what the environment chose (scheme widths, kernel settings: kernels/config.py),
+        the rolling window, the overrides, and kernels that failed their self-check."""
         notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
+        chosen = kernel_config.environment_choices()
+        if chosen and self.quantized:
+            notes.append(f"kernel settings from the environment: {', '.join(sorted(chosen.values()))}")
         said: dict[str, list[int]] = {}  # overrides not among the fp16 reasons already (quantized, not attention)
         for d in self.layers:
             if OVERRIDE in d.reason and not (d.grows and d.decision == BASELINE):
@@ -271,6 +278,8 @@ class Policy:
             how = "quantized" if self.quantized else BASELINE
             notes.insert(0, f"rolling window of {self.max_kv_size} tokens ({how}: 128-token sink kept, oldest groups "
                             "of 128 leave)")
+        if self.environment:
+            notes.insert(0, self.environment)
         return "".join(f"; {n}" for n in notes)
 
     def as_dict(self) -> dict[str, Any]:
@@ -281,6 +290,7 @@ class Policy:
             "scheme": self.scheme,
             "bits": bits,
             "options": dict(self.options),
+            "environment": self.environment,
             "summary": str(self),
             "max_kv_size": self.max_kv_size,
             "kernel_fallbacks": dict(self.fallbacks),
@@ -293,7 +303,8 @@ class Policy:
 
     def windowed(self, max_kv_size: int | None) -> Policy:
         """The same decisions with a rolling window of `max_kv_size` tokens on the growing attention layers."""
-        chosen = Policy(self.model, self.name, self.scheme, self.options, self.layers, max_kv_size, self.overrides)
+        chosen = Policy(self.model, self.name, self.scheme, self.options, self.layers, max_kv_size, self.overrides,
+                        self.environment)
         if max_kv_size is not None:  # the quantized layers roll as their scheme says, fp16 ones by the shared rule
             where = f"{self.name}: {self.label}"
             if self.quantized:
@@ -388,7 +399,8 @@ def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, 
         if ov:
             _override(d, cache, spec, values, ov)
         decided.append(d)
-    return Policy(model, display, scheme, values, decided, overrides=ov).windowed(max_kv_size)
+    chosen = Policy(model, display, scheme, values, decided, overrides=ov, environment=spec.environment(options))
+    return chosen.windowed(max_kv_size)
 
 
 def make_cache(model: nn.Module, scheme: str = "kvarn", *, quiet: bool = False, name: str | None = None,

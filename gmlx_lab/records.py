@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from .registry import KVARN_BITS
-
 TILE = 128  # tokens per record, and channels per record slice
+KVARN_BITS = (2, 3, 4, 5, 6, 8)  # the code widths of a record
+KVARN_HEAD_DIMS = (128, 256, 512)  # gmlx's format: heads of whole 128-channel record slices
+KVARN_EXT_HEAD_DIMS = (64, 96)  # the head-dim extension (option head_dim_ext=1): records of 128 tokens x the head
 SINK_TOKENS = 128  # the first tokens of a layer, kept fp16 (attention sinks)
 AXIS_DTYPE = mx.float16
 STD_CLAMP = (1e-3, 1e3)
@@ -188,6 +189,11 @@ class Records:
     def drop_first(self, n: int) -> Records:
         """These records without the first `n` along the record axis (2) of a cache body (a rolling window)."""
         return Records(*(mx.contiguous(a[:, :, n:]) for a in self.arrays), bits=self.bits, kind=self.kind)
+
+    def drop_last(self, n: int) -> Records:
+        """These records without the last `n` along the record axis (2) of a cache body (a trim)."""
+        return Records(*(mx.contiguous(a[:, :, :a.shape[2] - n]) for a in self.arrays), bits=self.bits,
+                       kind=self.kind)
 
     def take(self, index: tuple) -> Records:
         """The records at `index` of every field (e.g. one head's record), without the imbalances."""

@@ -18,15 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from .mlx_lm_hooks import register_cache_class, same_class
+from .records import KVARN_BITS, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS  # noqa: F401  (kvarn's format, records.py)
+
 BASELINE = "fp16"  # the scheme every policy falls back to, and the reference of fidelity and memory
 
-# The widths and head dims the built-in caches accept: the caches and records.py read them, and they sit below
-# the scheme modules (gmlx_lab/schemes/), so these constants live here.
-KVARN_HEAD_DIMS = (128, 256, 512)  # gmlx's: whole 128-channel record slices
-KVARN_EXT_HEAD_DIMS = (64, 96)  # the head-dim extension (option head_dim_ext=1): records of 128 tokens x the head
-KVARN_BITS_ENV = "GMLX_KVARN_BITS"
+# The widths and group sizes the affine cache accepts (what mx.quantize takes): the cache and its scheme read
+# them, and they sit below both, so these constants live here.
 AFFINE_BITS = (2, 3, 4, 6, 8)
-KVARN_BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -100,8 +99,14 @@ class Scheme:
         return values
 
     def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-        """Rules between options (kvarn: K/V widths from `bits` or the environment); by default none."""
+        """Rules between options (kvarn: K/V widths from `bits`, or the environment where no width is given);
+        by default none."""
         return values
+
+    def environment(self, given: dict[str, Any]) -> str:
+        """What the environment chose for these options, in words ('' for nothing: the default). Explicit options
+        always beat the environment (kvarn: GMLX_KVARN_BITS sets the widths that are not given)."""
+        return ""
 
     def check(self, where: str, **values: Any) -> None:
         """Check option values given to a cache constructor (no defaults, no environment), naming `where`."""
@@ -146,7 +151,7 @@ class Scheme:
     def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
         """Refuse a rolling window (`max_kv_size`) this scheme's layers cannot roll; by default the shared rule
         (gmlx_lab/window.py: the 128-token sink and whole groups of 128)."""
-        from .window import check  # window.py reads records.py, which reads this module's constants
+        from .window import check
 
         check(max_kv_size, None, where)
 
@@ -210,29 +215,17 @@ def register_scheme(scheme: Scheme, *, replace: bool = False) -> Scheme:
         raise ValueError(f"scheme {scheme.name!r} is already registered ({type(old).__name__}); "
                          "pick another name or pass replace=True")
     if scheme.cache_class is not None:
-        import mlx_lm.models.cache as mlx_cache
-
-        cls = scheme.cache_class
-        taken = getattr(mlx_cache, cls.__name__, None)
-        if taken is not None and taken is not cls and not _same_class(taken, cls):
-            raise ValueError(f"cache class name {cls.__name__!r} is taken in mlx_lm.models.cache (by "
-                             f"{taken.__module__}.{taken.__qualname__}); load_prompt_cache finds classes by name "
-                             "there: name your cache class differently")
-        setattr(mlx_cache, cls.__name__, cls)
+        register_cache_class(scheme.cache_class)
     SCHEMES[scheme.name] = scheme
     return scheme
 
 
-def _same_class(a: type, b: type) -> bool:
-    return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
-
-
 def _same_definition(old: Scheme, new: Scheme) -> bool:
-    if type(old) is not type(new) and not _same_class(type(old), type(new)):
+    if type(old) is not type(new) and not same_class(type(old), type(new)):
         return False
     if old.cache_class is None or new.cache_class is None:
         return old.cache_class is new.cache_class
-    return _same_class(old.cache_class, new.cache_class)
+    return same_class(old.cache_class, new.cache_class)
 
 
 def get_scheme(name: str) -> Scheme:

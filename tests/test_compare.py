@@ -8,8 +8,8 @@ import pytest
 
 import gmlx_lab
 from gmlx_lab import kv_inspect, widgets
-from gmlx_lab.fidelity import fidelity
 from gmlx_lab.live import LiveCompare, quantized_tokens, quick_model, shared_draw
+from gmlx_lab.measure.fidelity import fidelity
 
 
 @pytest.fixture(scope="module")

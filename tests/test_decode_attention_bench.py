@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import decode_attention  # noqa: E402
 
@@ -26,3 +28,14 @@ def test_cold_rows_record_their_copies() -> None:
     cold = decode_attention.bench_context(256, 2, 1, ("fp16_sdpa",), cold_bytes=3 * warm[0]["cache_bytes"])
     assert [r["copies"] for r in warm + cold] == [1, 3]
     assert cold[0]["cache_bytes"] == warm[0]["cache_bytes"]
+
+
+@pytest.mark.gpu
+def test_a_fused_affine_row_without_its_mlx_lm_row_has_no_speedup() -> None:
+    """--impls fused_affine8 alone: the speed-up over mlx-lm's path needs mlx_lm_affine8 beside it, so the row
+    has none (it once ended in StopIteration)."""
+    rows = decode_attention.bench_context(256, 1, 1, ("fused_affine8",))
+    assert [r["impl"] for r in rows] == ["fp16_sdpa", "fused_affine8"]
+    assert "speedup_vs_mlx_lm" not in rows[1]
+    both = decode_attention.bench_context(256, 1, 1, ("mlx_lm_affine8", "fused_affine8"))
+    assert "speedup_vs_mlx_lm" in both[-1]

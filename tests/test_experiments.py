@@ -1,4 +1,4 @@
-"""Beyond KL (gmlx_lab.experiments): passkey retrieval, draft acceptance, KV on quantized weights.
+"""Beyond KL (gmlx_lab.measure.experiments): passkey retrieval, draft acceptance, KV on quantized weights.
 
 Each measurement is checked on a case whose answer is known: a stub model that reads the key from its
 own input (it must score 100%, and one that gets a digit wrong 0%), a real Gemma 3 270M run that
@@ -20,7 +20,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import gmlx_lab
 from gmlx_lab import cli, viz
-from gmlx_lab.experiments import (
+from gmlx_lab.kv_inspect import eval_tokens
+from gmlx_lab.measure.audit import audit
+from gmlx_lab.measure.experiments import (
     PASSKEY_FORMAT,
     choose_policy,
     draft_acceptance,
@@ -36,8 +38,6 @@ from gmlx_lab.experiments import (
     stored_prefix,
     weights_and_kv,
 )
-from gmlx_lab.fidelity import audit
-from gmlx_lab.kv_inspect import eval_tokens
 from gmlx_lab.models import specimen
 from gmlx_lab.policy import policy
 

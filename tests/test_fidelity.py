@@ -7,8 +7,10 @@ import pytest
 
 import gmlx_lab
 from gmlx_lab.cache import FP16Cache
-from gmlx_lab.fidelity import AuditError, audit, fidelity, layer_sensitivity, parse_scheme_spec
+from gmlx_lab.measure.audit import AuditError, audit
+from gmlx_lab.measure.fidelity import fidelity, layer_sensitivity
 from gmlx_lab.models import specimen
+from gmlx_lab.specs import parse_scheme_spec
 
 PREFILL, DECODE = 400, 24
 

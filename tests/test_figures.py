@@ -24,7 +24,8 @@ import pytest
 from conftest import random_kv
 
 import gmlx_lab
-from gmlx_lab import tradeoff, viz
+from gmlx_lab import viz
+from gmlx_lab.measure import tradeoff
 from gmlx_lab.models import specimen
 
 RESULT = viz.benchmark_results
@@ -48,7 +49,7 @@ def _fidelity_dict() -> dict:
 
 
 def _beyond(section: str) -> dict:
-    runs = RESULT("beyond-kl-teaching-llama.json")["beyond-kl-teaching-llama.json"]["sections"]
+    runs = RESULT("beyond-kl-teaching-llama-cpu.json")["beyond-kl-teaching-llama-cpu.json"]["sections"]
     return runs[section]["drafts"][0]["result"] if section == "draft" else runs[section]["result"]
 
 
@@ -77,7 +78,7 @@ SIZE_CONTEXTS = [128, 1024, 8192]
 
 
 def _tradeoff_points() -> list:
-    return tradeoff.tradeoff_points(RESULT("fidelity-teaching-llama.json")["fidelity-teaching-llama.json"])
+    return tradeoff.tradeoff_points(RESULT("fidelity-teaching-llama-cpu.json")["fidelity-teaching-llama-cpu.json"])
 
 
 def _size_curves() -> dict:

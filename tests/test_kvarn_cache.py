@@ -198,6 +198,41 @@ def test_trim_rolls_back_fp16_tokens_and_refuses_records():
     assert before_records.trim(150) == 150 and before_records.region_tokens()["sink"] == 50
 
 
+@pytest.mark.parametrize("tail", [0, 1, 5])
+def test_trim_across_single_token_updates_unseals_the_newest_record(tail):
+    """A draft cache under speculative decoding: one token per update, then a trim of several. When the trim
+    reaches into the record the last update sealed (tail + 2 tokens or more), that record is unsealed from its
+    fp16 copy, exactly: the cache is then the one that never saw the trimmed tokens."""
+    k, v = random_kv(270)
+    singles, trim = tail + 3, tail + 2  # the last update seals [128, 256); the trim takes token 255 back
+    cache = KVarNCache(4, 4, kv_tail_tokens=tail)
+    feed(cache, k[:, :, :254 + singles], v[:, :, :254 + singles], [254] + [1] * singles)
+    assert cache.n_records == 1
+    assert cache.trim(trim) == trim and cache.n_records == 0
+    kept = 254 + singles - trim
+    never = KVarNCache(4, 4, kv_tail_tokens=tail)
+    feed(never, k[:, :, :kept], v[:, :, :kept], [254] + [1] * (kept - 254))
+    assert cache.region_tokens() == never.region_tokens()
+    assert all(mx.array_equal(a, b) for a, b in zip(cache.fetch(), never.fetch()))
+    for c in (cache, never):
+        feed(c, k[:, :, kept:kept + singles], v[:, :, kept:kept + singles], [1] * singles)
+    assert states_equal(cache, never) and cache.n_records == 1
+    cache.seal()  # sealed tokens are final: the copy is gone and a trim into them is refused
+    with pytest.raises(ValueError, match="cannot trim"):
+        cache.trim(cache.recent_tokens + 1)
+
+
+def test_the_rollback_copy_counts_as_reserve():
+    k, v = random_kv(258)
+    cache = KVarNCache(4, 4, kv_tail_tokens=0)
+    feed(cache, k, v, [257, 1])
+    copy_bytes = sum(x.nbytes for x in cache.rollback)
+    assert copy_bytes == 2 * 2 * 128 * 128 * 2 and cache.regions()["reserve"] >= copy_bytes
+    reserve = cache.regions()["reserve"]
+    cache.settle()
+    assert cache.rollback is None and cache.regions()["reserve"] == reserve - copy_bytes
+
+
 def test_kvarn_errors_name_the_layer():
     cache = KVarNCache(6, 6, layer=3)
     k, v = random_kv(10, dim=64)
@@ -209,17 +244,33 @@ def test_kvarn_errors_name_the_layer():
         KVarNCache(6, 6, kv_tail_tokens=-1)
 
 
-def test_env_override_of_widths(monkeypatch):
+def test_the_environment_sets_the_widths_not_given(monkeypatch):
+    """GMLX_KVARN_BITS sets the K/V widths where no width is given; an explicit width always beats it."""
     kvarn = get_scheme("kvarn")
-    assert kvarn.resolve()["k_bits"] == 6
+    widths = lambda **given: (kvarn.resolve(**given)["k_bits"], kvarn.resolve(**given)["v_bits"])  # noqa: E731
+    assert widths() == (6, 6) and kvarn.environment({}) == ""
     monkeypatch.setenv("GMLX_KVARN_BITS", "k6v5")
-    assert (kvarn.resolve(bits=4)["k_bits"], kvarn.resolve(bits=4)["v_bits"]) == (6, 5)
+    assert widths() == (6, 5) and kvarn.environment({}) == "K and V widths from GMLX_KVARN_BITS=k6v5"
+    assert widths(bits=4) == (4, 4) and kvarn.environment({"bits": 4}) == ""
+    assert widths(k_bits=8) == (8, 5) and kvarn.environment({"k_bits": 8}) == "V width from GMLX_KVARN_BITS=k6v5"
+    assert widths(k_bits=8, v_bits=3) == (8, 3) and kvarn.environment({"k_bits": 8, "v_bits": 3}) == ""
     monkeypatch.setenv("GMLX_KVARN_BITS", "3")
-    assert kvarn.resolve()["v_bits"] == 3
+    assert widths() == (3, 3)
     for bad in ("k6", "six", "k6v7", "v5k6"):
         monkeypatch.setenv("GMLX_KVARN_BITS", bad)
         with pytest.raises(ValueError, match="GMLX_KVARN_BITS"):
             kvarn.resolve()
+
+
+def test_the_kv_line_says_when_the_environment_chose(monkeypatch, model):
+    import gmlx_lab
+
+    monkeypatch.setenv("GMLX_KVARN_BITS", "k8v4")
+    chosen = gmlx_lab.policy(model, "kvarn")
+    assert chosen.label.startswith("kvarn k8v4") and "; K and V widths from GMLX_KVARN_BITS=k8v4" in str(chosen)
+    assert chosen.as_dict()["environment"] == "K and V widths from GMLX_KVARN_BITS=k8v4"
+    explicit = gmlx_lab.policy(model, "kvarn", bits=6)
+    assert explicit.label.startswith("kvarn6") and "GMLX_KVARN_BITS" not in str(explicit)
 
 
 @pytest.mark.parametrize("dim", [64, 96])

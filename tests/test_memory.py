@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 import gmlx_lab
-from gmlx_lab.memory import memory_report, prefill_peak
+from gmlx_lab.measure.memory import memory_report, prefill_peak
 from gmlx_lab.models import specimen
 
 

@@ -147,6 +147,25 @@ def test_speculative_decoding_trims_the_kvarn_tail(model, tokens):
     assert out == plain  # greedy: speculation must not change the tokens
 
 
+def test_speculative_decoding_with_a_kvarn_draft_cache_at_tail_0(model, tokens):
+    """The draft cache takes one token per update and is trimmed by up to num_draft - 1 tokens: with no tail the
+    trim reaches into the record the last update sealed (a 255-token prompt: the second draft token completes a
+    group of 128), which the cache unseals from its fp16 copy."""
+    from mlx_lm.generate import speculative_generate_step
+
+    draft = tiny_llama(layers=2, seed=2)
+    prompt = tokens[0, :255]
+    cache = gmlx_lab.make_cache(model, "fp16", quiet=True)
+    draft_cache = gmlx_lab.make_cache(draft, "kvarn", quiet=True, kv_tail_tokens=0)
+    out = [(int(t), accepted) for t, _, accepted in speculative_generate_step(
+        prompt, model, draft, num_draft_tokens=3, max_tokens=12, prompt_cache=cache + draft_cache)]
+    assert not all(accepted for _, accepted in out)  # some drafts were rejected, so the draft cache was trimmed
+    plain = [int(t) for t, _ in generate_step(prompt, model, max_tokens=12,
+                                              prompt_cache=gmlx_lab.make_cache(model, "fp16", quiet=True))]
+    assert [t for t, _ in out] == plain
+    assert all(c.n_records >= 1 for c in draft_cache)
+
+
 @pytest.mark.parametrize(
     "scheme, options, message",
     [

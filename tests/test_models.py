@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from gmlx_lab import models
-from gmlx_lab.metrics import perplexity
+from gmlx_lab.measure.metrics import perplexity
 from gmlx_lab.models import smollm2
 
 # Expected cache entry per layer: class, then the last dims of keys and values (None for ArraysCache).

@@ -20,7 +20,7 @@ import gmlx_lab
 from gmlx_lab import cli, viz
 from gmlx_lab.cache import AffineCache, BlockCache, BlockScheme
 from gmlx_lab.cache.block import block_regions
-from gmlx_lab.memory import memory_report
+from gmlx_lab.measure.memory import memory_report
 from gmlx_lab.registry import SCHEMES, get_scheme, register_scheme
 
 ROOT = Path(__file__).resolve().parents[1]

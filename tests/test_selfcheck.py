@@ -11,7 +11,7 @@ from conftest import random_kv, tiny_llama
 import gmlx_lab
 import gmlx_lab.cache.base as cache_base
 from gmlx_lab.doctor import doctor, to_text
-from gmlx_lab.kernels import active_backend, build, selfcheck, threads
+from gmlx_lab.kernels import active_backend, selfcheck, sources, threads
 
 
 @pytest.mark.gpu
@@ -27,14 +27,13 @@ def test_a_failed_self_check_falls_back_loudly(monkeypatch):
     model = tiny_llama(layers=2)
     for module in (selfcheck, cache_base):  # pretend MLX runs on a GPU; the kernels then run on CPU threads
         monkeypatch.setattr(module, "active_backend", lambda: "cuda")
-    real = build.read
+    real = sources.read
 
     def slipped(name: str) -> str:
         return real(name).replace("simd_shuffle_f(zq, 8u * t + 4u)", "simd_shuffle_f(zq, 8u * t)")
 
-    # the same slip in the text a real GPU compiles (build) and the text CPU threads run (threads)
-    monkeypatch.setattr(build, "read", slipped)
-    monkeypatch.setattr(threads, "read", slipped)
+    # the slip in the text a real GPU compiles and CPU threads run alike (the CUDA name follows the text)
+    monkeypatch.setattr(sources, "read", slipped)
     selfcheck.reset()
     try:
         with threads.on_cpu_threads("cuda"), pytest.warns(RuntimeWarning, match="kvarn_decode failed its self-check"):

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from mlx_lm import generate, load  # noqa: E402
 
 import gmlx_lab  # noqa: E402
-from gmlx_lab.metrics import perplexity  # noqa: E402
+from gmlx_lab.measure.metrics import perplexity  # noqa: E402
 
 MODEL_DIR = Path(gmlx_lab.__file__).parent / "models" / "teaching_llama"
 EVAL_TEXT = Path(gmlx_lab.__file__).parent / "data" / "eval_text.txt"

@@ -1,4 +1,4 @@
-"""Equal-memory comparisons (gmlx_lab.tradeoff, notebooks 06 and 07) and their figures (gmlx_lab.viz.tradeoff)."""
+"""Equal-memory comparisons (gmlx_lab.measure.tradeoff, notebooks 06 and 07) and their figures (viz.tradeoff)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 import gmlx_lab
-from gmlx_lab import kv_inspect, tradeoff, viz
-from gmlx_lab.fidelity import fidelity
-from gmlx_lab.memory import memory_report
+from gmlx_lab import kv_inspect, viz
+from gmlx_lab.measure import tradeoff
+from gmlx_lab.measure.fidelity import fidelity
+from gmlx_lab.measure.memory import memory_report
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -66,7 +67,7 @@ def test_size_curves_and_bytes_per_token(model) -> None:
 
 
 def test_points_from_committed_results_and_from_a_live_run(model) -> None:
-    data = json.loads((RESULTS / "fidelity-teaching-llama.json").read_text())
+    data = json.loads((RESULTS / "fidelity-teaching-llama-cpu.json").read_text())
     points = tradeoff.tradeoff_points(data)
     labels = [p.label for p in points]
     assert "fp16" in labels and "kvarn k8v4 tail=128" in labels and not any("layer" in x for x in labels)
@@ -88,7 +89,7 @@ def test_points_from_committed_results_and_from_a_live_run(model) -> None:
 
 
 def _points():
-    return tradeoff.tradeoff_points(json.loads((RESULTS / "fidelity-teaching-llama.json").read_text()))
+    return tradeoff.tradeoff_points(json.loads((RESULTS / "fidelity-teaching-llama-cpu.json").read_text()))
 
 
 def test_figures_follow_the_lab_rules(model) -> None:

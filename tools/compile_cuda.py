@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gmlx_lab.kernels.build import assemble  # noqa: E402
+from gmlx_lab.kernels.sources import assemble  # noqa: E402
 
 # (name, CUDA type) of each kernel's inputs and outputs, in the order gmlx_lab passes them
 SIGNATURES = {

@@ -99,7 +99,7 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
 
 def record_perplexity(model: Any, tok: Any, folder: Path, text: str) -> float:
     """Measure the eval-text perplexity with MLX (window 512, first 2048 tokens) and log it."""
-    from gmlx_lab.metrics import perplexity
+    from gmlx_lab.measure.metrics import perplexity
 
     ids = tok.encode(text, add_special_tokens=False)
     ppl = perplexity(model, ids, window=512, max_tokens=2048, bos_id=tok.bos_token_id)
@@ -107,7 +107,7 @@ def record_perplexity(model: Any, tok: Any, folder: Path, text: str) -> float:
     log = json.loads(log_path.read_text())
     log["eval_text_perplexity_mlx"] = round(ppl, 4)
     log["eval_text_perplexity_mlx_protocol"] = (
-        "gmlx_lab.metrics.perplexity(model, ids, window=512, max_tokens=2048, bos_id=<s>) with mlx-lm on the "
+        "gmlx_lab.measure.metrics.perplexity(model, ids, window=512, max_tokens=2048, bos_id=<s>) with mlx-lm on the "
         "CPU, weights as shipped (fp16) cast to float32; ids = eval_text.txt tokenized without special tokens"
     )
     log_path.write_text(json.dumps(log, indent=2) + "\n")

@@ -1,47 +1,13 @@
-"""How mlx-lm models reach a gmlx_lab cache's own attention.
+"""Attention math the caches share: masks, grouped-query scores and outputs, and merging partial softmaxes.
 
-mlx-lm models call `mlx_lm.models.base.scaled_dot_product_attention(q, k, v,
-cache=..., ...)` with the K/V that `cache.update_and_fetch` just returned. Our
-caches return plain, decoded K/V there, so any model code is correct with them.
-`install()` wraps that function once: when the K/V passed in are exactly the
-ones the cache fetched, the call goes to `cache.attend(...)` instead, which
-attends over the stored form (codes, rotation) without a decoded copy. That is
-the seam where the fused GPU kernels plug in.
+How mlx-lm models reach a cache's own `attend` is gmlx_lab/mlx_lm_hooks.py.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
-
-_original = mlx_base.scaled_dot_product_attention
-
-
-def scaled_dot_product_attention(
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    cache: Any,
-    scale: float,
-    mask: Any,
-    sinks: mx.array | None = None,
-) -> mx.array:
-    """mlx-lm's attention entry point, routed to the cache's own `attend` when it can."""
-    attend = getattr(cache, "attend", None)
-    if attend is not None and sinks is None and cache.fetched(keys, values):
-        return attend(queries, keys, values, scale=scale, mask=mask)
-    return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def install() -> None:
-    """Point mlx-lm's base module, and model modules already imported, at our entry point."""
-    mlx_base.scaled_dot_product_attention = scaled_dot_product_attention
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _original:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
 
 
 def apply_mask(scores: mx.array, mask: Any) -> mx.array:

@@ -12,8 +12,13 @@ Sealing: when tokens arrive, every complete group of 128 recent tokens that had 
 update is rotated and encoded into records (K and V together, so they never disagree). So a prompt chunk
 attends to its own tokens exactly and to the stored form of what came before it (causal), and the tokens of
 the latest update can always be trimmed (speculative decoding) whatever the tail: nothing sealed depended on
-them, so trimming them gives back the cache that never saw them.
-`seal()` seals what is due now (memory reports use it); trimming past it is then refused.
+them, so trimming them gives back the cache that never saw them. A draft model's cache under mlx-lm's
+speculative decoding takes one token per update and is then trimmed by up to num_draft - 1 tokens, which at a
+short tail reaches into the newest record: so the fp16 source of the newest record is kept (`rollback`) until
+the next seal, and a trim into that record unseals it exactly. The copy (128 tokens fp16 per layer) counts in
+`regions()["reserve"]`, with the buffers' growth room: memory held beyond the tokens the cache serves.
+`seal()` and `settle()` seal what is due now and drop the copy (memory reports use them); trimming past
+the fp16 tokens is then refused.
 
 Choices where the spec is silent: records seal on the GPU with the `kvarn_seal` kernel and on the CPU with
 `records.encode_tokens` (the same steps); K/V are checked for non-finite values when they arrive (base.py).
@@ -35,8 +40,18 @@ from ..kernels import (
     seal_records,
     unpack_records,
 )
-from ..records import KV, SINK_TOKENS, TILE, KvarnParts, Records, decode_tokens, encode_tokens
-from ..registry import KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, get_scheme
+from ..records import (
+    KV,
+    KVARN_EXT_HEAD_DIMS,
+    KVARN_HEAD_DIMS,
+    SINK_TOKENS,
+    TILE,
+    KvarnParts,
+    Records,
+    decode_tokens,
+    encode_tokens,
+)
+from ..registry import get_scheme
 from ..window import groups_to_drop
 from .attention import grouped_attention, merge_partials
 from .base import GmlxCache, array_bytes
@@ -73,6 +88,7 @@ class KVarNCache(GmlxCache):
         self.recent_tokens = 0
         self.sink_tokens = 0
         self.newest = 0  # tokens of the latest update: never sealed before the next one arrives
+        self.rollback: KV | None = None  # the fp16 K, V of the newest record's tokens, until the next seal
         self._prefix: KV | None = None  # the decoded sink + body for decode steps on a GPU (a graph)
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
 
@@ -135,6 +151,7 @@ class KVarNCache(GmlxCache):
         n = max(0, self.recent_tokens - self.kv_tail_tokens) // TILE
         self._seal(n)
         self.newest = 0
+        self.rollback = None
         return n
 
     def _seal(self, groups: int) -> None:
@@ -150,6 +167,7 @@ class KVarNCache(GmlxCache):
             else:
                 new.append(encode_tokens(chunk, bits, kind, self.norm_iters))
         new = [Records(*r.arrays, bits=r.bits, kind=r.kind) for r in new]  # the imbalances are not stored
+        self.rollback = KV(*(mx.contiguous(buf.data[:, :, tokens - TILE:tokens]) for buf in self.recent))
         self.body = KV(*new) if self.body is None else KV(*(old.concat(r) for old, r in zip(self.body, new)))
         for buf in self.recent:
             buf.remove(0, tokens, self.recent_tokens)
@@ -165,7 +183,10 @@ class KVarNCache(GmlxCache):
         """The rolling window: the oldest whole records leave (gmlx_lab/window.py); the sink and tail stay."""
         drop = min(groups_to_drop(self.held, self.max_kv_size, newest), self.n_records)
         if drop:
-            self.body = KV(*(r.drop_first(drop) for r in self.body)) if drop < self.n_records else None
+            if drop < self.n_records:
+                self.body = KV(*(r.drop_first(drop) for r in self.body))
+            else:
+                self.body = self.rollback = None
             self.dropped += drop * TILE
             self._prefix = None
 
@@ -263,11 +284,16 @@ class KVarNCache(GmlxCache):
     def trim(self, n: int) -> int:
         """Roll back the newest n tokens (speculative decoding): the recent tokens, and the sink before any record.
 
-        The latest update's tokens are never sealed yet, so they can always go; sealed records cannot be
-        restored exactly and a trim into them is refused.
+        The latest update's tokens are never sealed yet, so they can always go; so can the newest record's, from
+        its fp16 copy (`rollback`, see the module docstring). Older records cannot be restored exactly and a trim
+        into them is refused.
         """
-        fp16_tokens = self.recent_tokens + (0 if self.body is not None else self.sink_tokens)
+        unsealable = TILE if self.rollback is not None else 0
+        records_left = self.n_records - (1 if unsealable else 0)
+        fp16_tokens = self.recent_tokens + unsealable + (0 if records_left else self.sink_tokens)
         n = self.check_trim(n, fp16_tokens, "tokens already sealed into records cannot be restored exactly")
+        if unsealable and n > self.recent_tokens:
+            self._unseal_newest()
         from_recent = min(n, self.recent_tokens)
         self.recent_tokens -= from_recent
         if n > from_recent:
@@ -280,20 +306,41 @@ class KVarNCache(GmlxCache):
         self._prefix = None
         return n
 
+    def _unseal_newest(self) -> None:
+        """Put the newest record's tokens back in front of the recent ones, from their fp16 copy (`rollback`)."""
+        n = self.recent_tokens
+        back = KV(*(mx.concatenate([r, buf.data[:, :, :n]], axis=2) if n else r
+                    for r, buf in zip(self.rollback, self.recent)))
+        self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
+        for buf, x in zip(self.recent, back):
+            buf.write(0, x)
+        self.recent_tokens = n + TILE
+        self.body = KV(*(r.drop_last(1) for r in self.body)) if self.n_records > 1 else None
+        self.rollback = None
+
     def regions(self) -> dict[str, int]:
+        """Resident bytes by region; "reserve" is what is held beyond the tokens served: the recent buffers'
+        growth room and the newest record's fp16 copy (`rollback`)."""
         tokens = self.region_tokens()
         recent_bytes = array_bytes(self.recent.k.data, self.recent.v.data)
         per_token = recent_bytes // max(self.recent.k.capacity(), 1)
         bodies = () if self.body is None else tuple(self.body)
         used = per_token * self.recent_tokens
+        kept = 0 if self.rollback is None else array_bytes(*self.rollback)
         return {
             "sink": 0 if self.sink is None else array_bytes(*self.sink),
             "record_codes": array_bytes(*(b.codes for b in bodies)),
             "record_scales": array_bytes(*(a for b in bodies for a in b.arrays[1:])),
             "live": per_token * tokens["live"],
             "tail": per_token * tokens["tail"],
-            "reserve": recent_bytes - used,
+            "reserve": recent_bytes - used + kept,
         }
+
+    def __deepcopy__(self, memo: dict) -> KVarNCache:
+        """An independent copy (GmlxCache.__deepcopy__) that can still unseal its newest record."""
+        new = super().__deepcopy__(memo)
+        new.rollback = self.rollback
+        return new
 
     @property
     def state(self) -> tuple[Any, ...]:

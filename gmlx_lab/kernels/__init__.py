@@ -3,17 +3,20 @@
 - `kvarn_decode`: decode attention straight from kvarn records on the tensor cores (split-K, online softmax);
 - `affine_decode`: the same over mx.quantize codes (2..8 bits, groups 32/64/128);
 - `split_merge`: merges the splits by log-sum-exp and rotates the records' share of the output back (on CUDA the
-  split kernels can do that themselves, in their last threadgroup per kv head: GMLX_MERGE_IN_KERNEL=1);
+  split kernels can do that themselves, in their last threadgroup per kv head: the setting `merge_in_kernel`);
 - `kvarn_seal`: variance normalization, rounding and packing of records;
 - `kvarn_unpack`: records back to tokens; with the sink and recent tokens around them and rotated back, a
   layer's whole K or V in one pass (prefill attention, and K/V for models that read them).
 Kernels take arrays and the layout of `gmlx_lab/records.py`; they know no cache class.
 On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA and Metal sources
-on CPU threads there (`threads.py`, one fiber per GPU lane).
+on CPU threads there (`threads.py`, one fiber per GPU lane). The modules' tiers: `sources` (the texts) <-
+`threads` (CPU lanes) <- `build` (backend, launch, compiled graphs; reads `config`, the settings) <- `decode`,
+`seal` <- `selfcheck`.
 """
 
 from . import selfcheck  # noqa: E402  (after the modules it checks)
-from .build import active_backend, assemble
+from .build import active_backend
+from .config import KernelConfig, configured, set_config
 from .decode import (
            MAX_QUERY_TOKENS,
            SplitCounter,
@@ -26,9 +29,10 @@ from .decode import (
            unpack_records,
 )
 from .seal import seal_records
+from .sources import assemble
 
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
-__all__ = ["KERNELS", "MAX_QUERY_TOKENS", "SplitCounter", "active_backend", "assemble", "affine_attend",
+__all__ = ["KERNELS", "KernelConfig", "MAX_QUERY_TOKENS", "SplitCounter", "active_backend", "assemble", "affine_attend",
            "affine_supported", "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_splits",
-           "seal_records", "selfcheck", "unpack_records"]
+           "configured", "seal_records", "selfcheck", "set_config", "unpack_records"]

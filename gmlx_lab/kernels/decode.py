@@ -1,21 +1,23 @@
 """Fused decode attention for kvarn and affine caches: split-K kernels, their merge, and emulations.
 
-The kernels (`kvarn_decode.body`, `affine_decode.body`, then `split_merge.body`, which kvarn_decode does
-itself on CUDA) run on a GPU backend. `emulate=True` runs the same per-threadgroup algorithm written in pure
-MLX (per split: online softmax over record/tile blocks with the same factored dequantization; then the same
-log-sum-exp merge), so the CPU can check the kernels' math against the reference attention.
+The kernels (`kvarn_decode.body`, `affine_decode.body`, then `split_merge.body`, unless the split kernels
+merge their own splits: config.py) run on a GPU backend. `emulate=True` runs the same per-threadgroup
+algorithm written in pure MLX (per split: online softmax over record/tile blocks with the same factored
+dequantization; then the same log-sum-exp merge), so the CPU can check the kernels' math against the
+reference attention.
 """
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Any, NamedTuple
 
 import mlx.core as mx
 
 from ..records import KvarnParts, Records, unpack_rows
-from .build import CUDA_DEFINES, kernel_backend, launch, run_graph
+from . import config
+from .build import kernel_backend, launch, run_graph
+from .sources import CUDA_DEFINES
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
@@ -26,43 +28,20 @@ AFFINE_MIN_TILES = 16
 MAX_QUERY_TOKENS = 4
 NEG_INF = float("-inf")
 DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled variant per dtype
-MERGE_ENV = "GMLX_MERGE_IN_KERNEL"  # "1": on CUDA the split kernels merge their own splits (one launch a layer)
-merge_in_kernel = os.environ.get(MERGE_ENV, "0") == "1"
-# What kvarn_decode loads ahead of its tensor-core products (template PF): 0 nothing (each chunk's code words just
-# before they are multiplied), 1 the next chunk's code words, 2 those and a slice's token / channel factors (both
-# into registers), 3 the next chunks' code words and scale / zero factors into a ring in threadgroup memory by
-# asynchronous copies (CUDA's cp.async; ring_stages says how deep, and where it does not fit level 0 runs).
-# Alone on the H200 (benchmarks/results/decode_attention-prefetch-h200.json, commit cbb3add) kvarn6 took 46.9 / 141.7
-# µs a call at 32K / 128K with 0, 54.0 / 154.0 with 1 and 53.0 / 148.9 with 2 (204 registers a thread against 168, so
-# fewer warps); kvarn4 45.6 / 133.2, 44.8 / 129.3 and 49.0 / 141.4. The ring (3) was 7-11% faster than 0 at 128K
-# (1015 records a head) in all three runs and in 3 of 4 whole-model comparisons; at 32K (247 records) it was faster
-# in half the pairs alone and within the noise in the model (decode_attention-ring-h200.json, -minblocks3-,
-# -minblocks4-, model_decode-h200.json; README). So the default, "auto", runs the ring from RING_MIN_RECORDS records
-# a head on and level 0 below; GMLX_KVARN_PREFETCH=N runs level N everywhere.
-PREFETCH_ENV = "GMLX_KVARN_PREFETCH"
-PREFETCH_LEVELS = (0, 1, 2, 3)
-PREFETCH_AUTO = "auto"
-RING_LEVEL = 3  # the level that stages through the ring
-RING_MIN_RECORDS = 512  # auto: the ring from here on (64K tokens; between the measured 247, no gain, and 1015, gain)
+# kvarn_decode's ring (template RING): each warp stages its records' code words and scale / zero factors
+# through slots in threadgroup memory by asynchronous copies (CUDA's cp.async), NST - 1 chunks ahead, instead of
+# loading each chunk's words just before its tensor-core products; ring_stages says how deep, and where no ring
+# fits it is off. Setting `ring` (config.py): "on", "off", or "auto", the ring from RING_MIN_RECORDS records a
+# head on: alone on the H200 it was 7-11% faster at 1015 records a head (128K tokens) and within the noise at
+# 247 (32K); docs/gpu-performance.md has the measurements.
+RING_MIN_RECORDS = 512
 
 
-def prefetch_level(text: str) -> int | str:
-    """A prefetch level from its text (GMLX_KVARN_PREFETCH): "auto" or a level, with a clear error for anything else."""
-    accepted = [PREFETCH_AUTO, *map(str, PREFETCH_LEVELS)]
-    if text.strip() not in accepted:
-        raise ValueError(f"{PREFETCH_ENV}={text!r}; accepted: {', '.join(accepted)}")
-    return PREFETCH_AUTO if text.strip() == PREFETCH_AUTO else int(text)
+def ring_for(records: int, setting: str) -> bool:
+    """Whether kvarn_decode runs its ring over `records` records a head under the setting "on", "off" or "auto"."""
+    return setting == "on" or (setting == "auto" and records >= RING_MIN_RECORDS)
 
 
-def prefetch_for(records: int, setting: int | str) -> int:
-    """The level kvarn_decode runs at over `records` records a head: `setting` when it is a level; "auto": the
-    ring from RING_MIN_RECORDS records on, level 0 below."""
-    if setting != PREFETCH_AUTO:
-        return int(setting)
-    return RING_LEVEL if records >= RING_MIN_RECORDS else 0
-
-
-kvarn_prefetch = prefetch_level(os.environ.get(PREFETCH_ENV, PREFETCH_AUTO))
 PARAM_ROWS = 256  # parameter rows made at once for a count that moves every step (step_params)
 
 
@@ -171,25 +150,14 @@ KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16
 KVARN_PROW = 132  # floats per row of kvarn_decode's weights and outputs tiles (128 and 4 against bank conflicts)
 KVARN_HEAD_DIMS = (128, 256, 512)  # the fused kernel's head dims: whole 128-channel slices, a power of two
 # (512 is also Metal's limit: past it the queries and one slice's outputs fill a threadgroup's 32 KB)
-# CUDA: the threadgroups of kvarn_decode that one multiprocessor must hold at once (__launch_bounds__, so ptxas
-# keeps a thread's registers to 65536 / (128 x this)): 3 (168 registers, no spills) or 4 (128 registers, 88 bytes
-# spilled; tools/compile_cuda.py). Fewer registers, more warps to hide each warp's waits on memory.
-MIN_BLOCKS_ENV = "GMLX_KVARN_MIN_BLOCKS"
-MIN_BLOCKS_CHOICES = (3, 4)
-
-
-def min_blocks(text: str) -> int:
-    """kvarn_decode's threadgroups a multiprocessor from its text (GMLX_KVARN_MIN_BLOCKS), with a clear error."""
-    if text.strip() not in {str(n) for n in MIN_BLOCKS_CHOICES}:
-        raise ValueError(f"{MIN_BLOCKS_ENV}={text!r}; accepted: {', '.join(map(str, MIN_BLOCKS_CHOICES))}")
-    return int(text)
-
-
-kvarn_min_blocks = min_blocks(os.environ.get(MIN_BLOCKS_ENV, "3"))
-CUDA_DEFINES["kvarn_decode"] = {"KVARN_THREADS": 32 * KVARN_WARPS, "KVARN_MIN_BLOCKS": kvarn_min_blocks}
-# One wave of warps on an H200: 132 multiprocessors x kvarn_min_blocks threadgroups of 4 warps; more would leave
+# CUDA: kvarn_decode's launch bounds, at most KVARN_THREADS threads and at least KVARN_MIN_BLOCKS threadgroups a
+# multiprocessor, so ptxas keeps a thread's registers to 65536 / (128 x 3): 168, no spills (4 gave 128 registers,
+# 88 bytes spilled, and was no faster on the H200; docs/gpu-performance.md).
+KVARN_MIN_BLOCKS = 3
+CUDA_DEFINES["kvarn_decode"] = {"KVARN_THREADS": 32 * KVARN_WARPS, "KVARN_MIN_BLOCKS": KVARN_MIN_BLOCKS}
+# One wave of warps on an H200: 132 multiprocessors x KVARN_MIN_BLOCKS threadgroups of 4 warps; more would leave
 # a second, mostly idle wave.
-TARGET_WARPS = 132 * KVARN_WARPS * kvarn_min_blocks
+TARGET_WARPS = 132 * KVARN_WARPS * KVARN_MIN_BLOCKS
 
 
 def kvarn_warps(d: int) -> int:
@@ -200,7 +168,7 @@ def kvarn_warps(d: int) -> int:
 
 # Threadgroup memory a threadgroup may declare statically: 48 KB on CUDA, 32 KB on Apple GPUs.
 THREADGROUP_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
-RING_STAGES_MAX = 4  # PF 3: at most this many slots a warp (three chunks in flight while one is multiplied)
+RING_STAGES_MAX = 4  # the ring: at most this many slots a warp (three chunks in flight while one is multiplied)
 
 
 def ring_slot_words(kbits: int, vbits: int) -> int:
@@ -217,7 +185,7 @@ def kvarn_threadgroup_bytes(d: int, warps: int, ring_words: int) -> int:
 
 
 def ring_stages(d: int, kbits: int, vbits: int, warps: int, backend: str) -> int:
-    """Slots a warp of the PF 3 ring gets: as many as fit beside the rest of a threadgroup's memory, at most
+    """Slots a warp of the ring gets: as many as fit beside the rest of a threadgroup's memory, at most
     RING_STAGES_MAX; 0 where fewer than two fit (no ring: at head_dim 512, and on Apple GPUs' 32 KB)."""
     slot = ring_slot_words(kbits, vbits)
     limit = THREADGROUP_BYTES.get(backend, THREADGROUP_BYTES["cuda"])  # "cpu": the reference runs no kernel
@@ -256,17 +224,17 @@ class KvarnPlan(NamedTuple):
     kbits: int
     vbits: int
     merge: bool  # the kernel merges its own splits (kernel_merges)
-    prefetch: int  # what the kernel loads ahead of its products (prefetch_for, PREFETCH_LEVELS)
-    stages: int  # slots a warp of the PF 3 ring (ring_stages); 1 at the other levels
+    ring: bool  # the kernel stages its code words through the ring (ring_for, ring_stages)
+    stages: int  # slots a warp of the ring (ring_stages); 1 without it
 
 
 def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
-    with `merge_in_kernel = True` (GMLX_MERGE_IN_KERNEL=1) and the CUDA source, whose fences make one
+    with the setting `merge_in_kernel` (config.py) and the CUDA source, whose fences make one
     threadgroup's writes visible to the others (Metal's do not). Off by default: on the H200 the last
     threadgroup's serial merge made kvarn6's kernel 94 µs a layer at 32K against 54 + 4 for the two launches
     (benchmarks/results/gpu_timeline-h200.json); model_decode.py's probe `one-launch` measures it side by side."""
-    return merge_in_kernel and kernel_backend() == "cuda"
+    return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 
 class SplitCounter:
@@ -296,22 +264,21 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     r, s = kbody.codes.shape[2:4]
     fp16_units = kvarn_units(r, parts.recent_tokens)[1]
     return _kvarn_plan(nq, bh, r, s, parts.sink.k.shape[2], fp16_units, length, causal, kbody.bits, vbody.bits,
-                       per_warp, kvarn_warps(d), kernel_merges(), prefetch_for(r, kvarn_prefetch), kernel_backend())
+                       per_warp, kvarn_warps(d), kernel_merges(), ring_for(r, config.current().ring), kernel_backend())
 
 
 @lru_cache(maxsize=256)
 def _kvarn_plan(nq: int, bh: int, r: int, s: int, sink: int, fp16_units: int, length: int, causal: bool,
-                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool, prefetch: int, backend: str
+                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool, ring: bool, backend: str
                 ) -> KvarnPlan:
     """kvarn_plan's arithmetic, once per geometry: the layers of a decode step repeat it, and it moves every 128
-    tokens. The ring level (PF 3) becomes level 0 where its ring does not fit (ring_stages 0); the plan says which
-    level runs."""
+    tokens. The ring is off where it does not fit (ring_stages 0); the plan says whether it runs."""
     nchunk = -(-nq // KVARN_QN)
     per, nsr, nsf = kvarn_splits(r, (fp16_units - 1) * 128, bh * nchunk, warps, per_warp)
-    stages = ring_stages(s * 128, kbits, vbits, warps, backend) if prefetch == RING_LEVEL else 1
+    stages = ring_stages(s * 128, kbits, vbits, warps, backend) if ring else 1
     if stages == 0:
-        prefetch, stages = 0, 1
-    return KvarnPlan(r, s, sink, per, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge, prefetch, stages)
+        ring, stages = False, 1
+    return KvarnPlan(r, s, sink, per, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge, ring, stages)
 
 
 def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
@@ -347,8 +314,7 @@ def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], pa
         grid=(32 * plan.warps, nsplit, bh * plan.nchunk), threadgroup=(32 * plan.warps, 1, 1),
         template={"KB": plan.kbits, "VB": plan.vbits, "S": plan.slices, "NQ": nq, "NCHUNK": plan.nchunk,
                   "L": plan.length, "WARPS": plan.warps, "MERGE": int(plan.merge), "QDT": DTYPE_IDS[qg.dtype],
-                  "PF": plan.prefetch, "NST": plan.stages,
-                  "PROW": KVARN_PROW},
+                  "RING": int(plan.ring), "NST": plan.stages, "PROW": KVARN_PROW},
     ))
 
 

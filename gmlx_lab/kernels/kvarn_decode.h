@@ -24,7 +24,7 @@
 // Words holding codes 16g .. 16g+15 of a packed row of B-bit codes, shifted so code 16g starts at bit 0
 // of w[0]. 16 codes take 16B bits: B/2 words when B is even; when B is odd they start at bit 0 or 16 of
 // a word and (B+1)/2 words hold them (never reaching past the row's 4B words).
-// `row` points into device memory, or (PF 3) into a ring slot in threadgroup memory.
+// `row` points into device memory, or (RING) into a ring slot in threadgroup memory.
 template <int B, typename P>
 FN void load_codes16(P row, u32 g, THREAD u32* w) {
   constexpr int NW = (B + 1) / 2;
@@ -74,19 +74,11 @@ FN void codes_fragment(const THREAD u32* w0, const THREAD u32* w1, const THREAD 
 FN u32 low_halves(u32 x, u32 y) { return (x & 0xffffu) | (y << 16); }
 FN u32 high_halves(u32 x, u32 y) { return (x >> 16) | (y & 0xffff0000u); }
 
-// Eight words (16 float16 values) from p, which is 4-byte aligned.
-FN void load_pairs8(GLOBAL_CONST HALF* p, THREAD u32* w) {
-  UNROLL for (int i = 0; i < 8; ++i) w[i] = ((GLOBAL_CONST u32*)p)[i];
-}
-
 // The two float values of a float16 pair.
 FN float pair_lo(u32 x) { return half_bits_to_float(x & 0xffffu); }
 FN float pair_hi(u32 x) { return half_bits_to_float(x >> 16); }
 
-// Value i (0..15) of the 16 float16 values held in w[0..8), as load_pairs8 reads them.
-FN float pair_half(const THREAD u32* w, int i) { return (i & 1) ? pair_hi(w[i >> 1]) : pair_lo(w[i >> 1]); }
-
-// ---- PF 3: a ring of chunks staged through threadgroup memory by asynchronous copies ----
+// ---- RING: a ring of chunks staged through threadgroup memory by asynchronous copies ----
 // A warp consumes its records' chunks in one order: per record, for each slice its 8 K chunks (16 channels),
 // then for each slice its 8 V chunks (16 tokens): chunk n = 8s + ch of K, 8S + 8s + ch of V. Each warp owns
 // NST slots and keeps the next NST - 1 chunks in flight while it multiplies one, so more bytes are on their

@@ -51,7 +51,7 @@ FN void mma16816(float* c, const u32* a, const u32* b, u32 lane) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Asynchronous copies from device memory into threadgroup memory (kvarn_decode's PF 3 ring): 16 or 4 bytes,
+// Asynchronous copies from device memory into threadgroup memory (kvarn_decode's ring): 16 or 4 bytes,
 // issued without holding registers until they land; a thread groups what it has issued (commit) and waits until
 // at most N of its groups are still in flight. Other lanes' copies are visible after a WARP_BARRIER.
 FN void async_copy16(u32* dst, const u32* src) {

@@ -60,8 +60,8 @@ FN void mma16816(thread float* c, const thread u32* a, const thread u32* b, u32 
   }
 }
 
-// kvarn_decode's PF 3 ring copies device memory into threadgroup memory asynchronously on CUDA; here the copies
-// are plain ones, done when issued (the plan never picks PF 3 on Metal: the ring does not fit in 32 KB).
+// kvarn_decode's ring copies device memory into threadgroup memory asynchronously on CUDA; here the copies
+// are plain ones, done when issued (the plan never runs the ring on Metal: the ring does not fit in 32 KB).
 FN void async_copy16(threadgroup u32* dst, const device u32* src) {
   for (int i = 0; i < 4; ++i) dst[i] = src[i];
 }

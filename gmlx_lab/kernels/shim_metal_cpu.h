@@ -1,4 +1,4 @@
-// Metal's names for g++ (C++20): the Metal source that mx.fast.metal_kernel compiles (build.metal_source)
+// Metal's names for g++ (C++20): the Metal source that mx.fast.metal_kernel compiles (sources.metal_source)
 // runs on the CPU, one fiber per lane (cpu_lanes.h), over this header instead of MLX's Metal
 // preamble (<metal_stdlib>, `using namespace metal;`, `typedef half float16_t;`). threads.py builds it.
 //

@@ -4,7 +4,7 @@ tested without a GPU.
 `launch` takes what `build.launch` takes, plus the source to run:
 - "cuda": the body as CUDA would see it (the CUDA index bindings, the template constants as `constexpr int`),
   compiled over `prelude_cpu.h` instead of the CUDA prelude, whose tensor-core product is the PTX instruction;
-- "metal": the whole text that mx.fast.metal_kernel compiles on a Mac (`build.metal_source`: Metal prelude,
+- "metal": the whole text that mx.fast.metal_kernel compiles on a Mac (`sources.metal_source`: Metal prelude,
   signature, body, template instantiation), compiled over `shim_metal_cpu.h` in place of MLX's Metal
   preamble, so the Metal prelude's own code runs, its SIMD-shuffle `mma16816` included. The only change to
   that text: its threadgroup variables become `static` (`threadgroup_storage_static`).
@@ -34,17 +34,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .build import (
-    HERE,
-    INDICES,
-    METAL_CONSTANT_SIZE,
-    METAL_TYPES,
-    assemble,
-    compact,
-    metal_attributes,
-    metal_source,
-    read,
-)
+from . import sources
+from .sources import HERE, INDICES, METAL_CONSTANT_SIZE, METAL_TYPES, assemble, compact, metal_attributes, metal_source
 
 CXX = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wno-attributes"]
 HEADERS = ("cpu_lanes.h", "prelude_cpu.h", "shim_metal_cpu.h")  # their text joins the cache key
@@ -86,12 +77,12 @@ def current_source() -> str:
 def cuda_cpp(name: str, args: list[tuple[str, str, bool]], template: dict[str, int]) -> str:
     """C++ text for the CUDA source: prelude_cpu.h, common.h and the kernel's helpers; the body as one
     threadgroup's function; run(), which starts the lanes."""
-    helpers = compact(read(f"{name}.h")) if (HERE / f"{name}.h").exists() else ""
+    helpers = compact(sources.read(f"{name}.h")) if (HERE / f"{name}.h").exists() else ""
     params = ",\n    ".join(f"{'' if out else 'const '}{t}* {n}" for n, t, out in args)
     consts = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in template.items())
     casts = ", ".join(f"static_cast<{'' if out else 'const '}{t}*>(args[{i}])" for i, (_, t, out) in enumerate(args))
-    body = compact(read(f"{name}.body"))  # the text MLX gets (build.compact)
-    return (f'#include "{HERE / "prelude_cpu.h"}"\n{compact(read("common.h"))}\n{helpers}\n'
+    body = compact(sources.read(f"{name}.body"))  # the text MLX gets (sources.compact)
+    return (f'#include "{HERE / "prelude_cpu.h"}"\n{compact(sources.read("common.h"))}\n{helpers}\n'
             f"static void threadgroup(\n    {params}) {{\n{consts}{INDICES['cuda']}{body}\n}}\n\n"
             f'extern "C" bool run(void** args, u32 grid_y, u32 grid_z, u32 threads) {{\n'
             f"  return gmlx_launch(grid_y, grid_z, threads, [&] {{ threadgroup({casts}); }});\n}}\n")
@@ -151,7 +142,7 @@ def _library(text: str) -> Path:
     if shutil.which(CXX[0]) is None:
         raise RuntimeError("running kernels on CPU threads needs g++ (C++20): `bash tools/system_deps.sh` "
                            "installs it (apt-get install g++); on macOS install Xcode's command line tools")
-    key = hashlib.sha256((text + "".join(map(read, HEADERS)) + " ".join(CXX)).encode()).hexdigest()[:20]
+    key = hashlib.sha256((text + "".join(map(sources.read, HEADERS)) + " ".join(CXX)).encode()).hexdigest()[:20]
     lib = CACHE_DIR / f"kernel_{key}.so"
     if not lib.exists():
         CACHE_DIR.mkdir(parents=True, exist_ok=True)

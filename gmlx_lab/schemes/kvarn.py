@@ -16,7 +16,10 @@ import numpy as np
 
 from .. import records, window
 from ..cache.kvarn import KVarNCache
-from ..registry import KVARN_BITS, KVARN_BITS_ENV, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS, Option, Scheme, register_scheme
+from ..records import KVARN_BITS, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS
+from ..registry import Option, Scheme, register_scheme
+
+KVARN_BITS_ENV = "GMLX_KVARN_BITS"  # K and V widths, "6" or "k6v5", where no width is given
 
 OPTIONS = (
     Option("bits", 6, "code width for K and V", KVARN_BITS),
@@ -50,19 +53,40 @@ def parse_kvarn_bits(text: str) -> tuple[int, int]:
     return kb, vb
 
 
+def environment_widths() -> tuple[int, int] | None:
+    """The K and V widths GMLX_KVARN_BITS sets, or None when it is unset or empty."""
+    text = os.environ.get(KVARN_BITS_ENV, "")
+    return parse_kvarn_bits(text) if text.strip() else None
+
+
 @dataclass(frozen=True)
 class KvarnScheme(Scheme):
     """Records of 128 tokens x 128 channels per KV head; needs head dims of whole 128-channel slices."""
 
     def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-        """K/V widths: explicit k_bits/v_bits, else bits; GMLX_KVARN_BITS overrides both."""
-        env = os.environ.get(KVARN_BITS_ENV)
-        if env is not None and env.strip() != "":
-            kb, vb = parse_kvarn_bits(env)
-        else:
-            kb = values["k_bits"] if values["k_bits"] is not None else values["bits"]
-            vb = values["v_bits"] if values["v_bits"] is not None else values["bits"]
-        return {**values, "k_bits": kb, "v_bits": vb}
+        """Each of the K and V widths: `k_bits`/`v_bits` if given, else `bits` if given, else GMLX_KVARN_BITS if
+        set, else the default `bits`. An explicit width always beats the environment (`environment` says when
+        the environment chose)."""
+        env = environment_widths()
+        widths = []
+        for i, name in enumerate(("k_bits", "v_bits")):
+            if given.get(name) is not None:
+                widths.append(given[name])
+            elif given.get("bits") is not None or env is None:
+                widths.append(values["bits"])
+            else:
+                widths.append(env[i])
+        return {**values, "k_bits": widths[0], "v_bits": widths[1]}
+
+    def environment(self, given: dict[str, Any]) -> str:
+        """Which widths GMLX_KVARN_BITS chose for these options ('' when explicit widths or defaults did)."""
+        if environment_widths() is None or given.get("bits") is not None:
+            return ""
+        chose = [kind for kind in ("K", "V") if given.get(f"{kind.lower()}_bits") is None]
+        if not chose:
+            return ""
+        return f"{' and '.join(chose)} width{'s' if len(chose) > 1 else ''} from " \
+               f"{KVARN_BITS_ENV}={os.environ[KVARN_BITS_ENV].strip()}"
 
     def make_cache(self, options: dict[str, Any], layer: int | None = None) -> KVarNCache:
         return KVarNCache(options["k_bits"], options["v_bits"], options["kv_tail_tokens"], options["norm_iters"],

@@ -8,6 +8,7 @@ figure with plotly.js embedded (never the CDN). A renderer you chose is kept.
 
 import plotly.io as _pio
 
+from ..measure.sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from ..records import record_bytes
 from .code import Source, source
 from .figures import (
@@ -56,7 +57,6 @@ from .quant import (
     record_of,
 )
 from .say import Say, say
-from .sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from .sources import (
     GMLX_KL_TABLE,
     LLAMA_CPP_ROTATION_PPL,

@@ -14,11 +14,11 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .. import records, window
+from ..measure.sizes import LayerShape, layer_bytes
 from ..policy import Policy
 from ..records import region_tokens
 from ..registry import BASELINE, SCHEMES
 from .quant import AffineRow, hadamard, outlier_ratio
-from .sizes import LayerShape, layer_bytes
 from .style import num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
 
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}

@@ -9,13 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..measure.sizes import layer_shapes, policy_bytes
 from ..models import FAMILIES, specimen
 from ..policy import policy
 from ..registry import BASELINE
-from .sizes import layer_shapes, policy_bytes
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# The committed results: benchmarks/results/ in a checkout (gmlx_lab/data/results links to it), package data in an
+# installed gmlx_lab (pyproject.toml), so the notebooks find them either way.
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "data" / "results"
 
 GMLX_KL_TABLE = {
     "source": "gmlx documentation, KV cache fidelity (docs/kvarn-spec.md section 5): Qwen3.8-27B, 16K context, "
@@ -63,7 +64,8 @@ def family_curves(contexts: list[int], scheme: str = BASELINE, **options: Any) -
 
 
 def benchmark_results(pattern: str = "*.json") -> dict[str, Any]:
-    """The JSON files in benchmarks/results/ matching `pattern`, by file name (empty if none yet)."""
+    """The committed JSON results (benchmarks/results/, shipped with the package) matching `pattern`, by file name
+    (empty if none)."""
     if not RESULTS_DIR.is_dir():
         return {}
     found = {}

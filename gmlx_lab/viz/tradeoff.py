@@ -9,19 +9,17 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
+from ..measure.tradeoff import TradeoffPoint
 from ..registry import BASELINE
 from .figures import scheme_color
 from .style import trace_styles
-
-if TYPE_CHECKING:  # gmlx_lab.tradeoff imports gmlx_lab.viz.sizes, so only the type comes from there
-    from ..tradeoff import TradeoffPoint
 
 __all__ = ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 

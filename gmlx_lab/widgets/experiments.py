@@ -13,8 +13,8 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import display
 
-from .. import experiments
 from ..kv_inspect import eval_tokens
+from ..measure import experiments
 from ..registry import SCHEMES, get_scheme
 from ..viz import figures
 

@@ -10,196 +10,31 @@ shared by every scheme (docs/kvarn-spec.md section 5).
     result = fidelity(model, tokenizer, text, schemes=["affine4", "kvarn4:tail=128"], prefill=1400, decode=128)
     result                       # a table in Jupyter; result.to_markdown() elsewhere
 
-Each run also audits its cache (`audit`): every layer the policy reports as
-quantized must really hold codes and fewer bytes than fp16 would.
+Each run also audits its cache (`gmlx_lab.measure.audit`): every layer the policy reports as
+quantized must really hold codes and fewer bytes than fp16 would. Schemes are named by specs
+(`gmlx_lab.specs`: "affine4", "kvarn6:tail=128").
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import GmlxCache
+from ..policy import Policy, PromptCache, policy
+from ..registry import BASELINE
+
+# the spec grammar and the audit have homes of their own; their names stay importable from here
+from ..specs import SchemeLike, parse_scheme_spec, scheme_label, spec_policy  # noqa: F401
+from .audit import AuditError, AuditReport, LayerAudit, audit, fp16_equivalent  # noqa: F401
 from .metrics import kl_from_logprobs, perplexity_from_nll
-from .policy import Policy, PromptCache, policy
-from .registry import BASELINE, SCHEMES, get_scheme
 
-__all__ = [
-    "AuditError", "AuditReport", "FidelityResult", "LayerAudit", "SchemeFidelity", "SWEEPS",
-    "audit", "fidelity", "layer_sensitivity", "parse_scheme_spec", "scheme_label", "spec_policy", "sweep_specs",
-]
-
-# -- scheme specs -----------------------------------------------------------------------------------
-
-_ALIASES = {"tail": "kv_tail_tokens", "g": "group_size", "group": "group_size", "iters": "norm_iters",
-            "start": "quantized_kv_start", "k": "k_bits", "v": "v_bits", "ext": "head_dim_ext"}
-_SPLIT = re.compile(r"k(\d+)v(\d+)")
-
-SchemeLike = str | tuple[str, dict[str, Any]] | Policy
-
-
-def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """Read "fp16", "affine4", "affine_rot4:g=32", "kvarn6:tail=128" or "kvarn:k8v4" into (scheme, options).
-
-    The name is the longest registered scheme name the spec starts with; a number after it is `bits`, "k8v4"
-    sets `k_bits` and `v_bits` (schemes that have them), "key=value" any option (short names in _ALIASES).
-    Options are checked against the registry (gmlx_lab.registry.SCHEMES); anything it
-    does not accept raises a ValueError saying what is accepted.
-    """
-    if isinstance(text, tuple):
-        scheme, options = text
-        get_scheme(scheme).resolve(**options)
-        return scheme, dict(options)
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"scheme spec must be a non-empty string such as 'kvarn6', got {text!r}")
-    head, _, tail = text.strip().partition(":")
-    name = next((s for s in sorted(SCHEMES, key=len, reverse=True) if head.startswith(s)), None)
-    if name is None:
-        raise ValueError(f"unknown scheme in {text!r}; schemes: {', '.join(SCHEMES)} "
-                         "(e.g. fp16, affine4, affine_rot4, kvarn6, kvarn6:tail=128, kvarn:k8v4)")
-    spec = get_scheme(name)
-    names = {opt.name for opt in spec.options}
-    options: dict[str, Any] = {}
-    parts = [head[len(name):]] + [p for p in tail.split(",") if p.strip()]
-    for part in (p.strip() for p in parts):
-        if not part:
-            continue
-        if part.isdigit():
-            options["bits"] = int(part)
-        elif _SPLIT.fullmatch(part):
-            if not {"k_bits", "v_bits"} <= names:
-                split = [s.name for s in SCHEMES.values() if {"k_bits", "v_bits"} <= {o.name for o in s.options}]
-                verb = "stores" if len(split) == 1 else "store"
-                raise ValueError(f"{text!r}: only {', '.join(split) or 'no scheme'} {verb} K and V at different "
-                                 f"widths; {name} has one 'bits' for both")
-            kb, vb = _SPLIT.fullmatch(part).groups()
-            options.update(k_bits=int(kb), v_bits=int(vb))
-        elif "=" in part:
-            key, _, value = (s.strip() for s in part.partition("="))
-            if not re.fullmatch(r"-?\d+", value):
-                raise ValueError(f"{text!r}: option {key}={value!r} must be an integer")
-            options[_ALIASES.get(key, key)] = int(value)
-        else:
-            raise ValueError(f"cannot read {part!r} in {text!r}; expected a width (6), K/V widths (k8v4) "
-                             "or options such as tail=128, g=64")
-    if not names and options:
-        raise ValueError(f"{text!r}: {name} takes no width or options")
-    spec.resolve(**options)  # raises a ValueError naming what is accepted
-    return name, options
-
-
-def scheme_label(scheme: str, options: dict[str, Any]) -> str:
-    """The registry's short label, e.g. `affine4 g64` or `kvarn k8v4 tail=128`."""
-    spec = get_scheme(scheme)
-    return spec.label(spec.resolve(**options))
-
-
-# -- the cache audit --------------------------------------------------------------------------------
-
-
-class AuditError(AssertionError):
-    """A cache does not store what its policy says (a layer reported quantized holds fp16, ...)."""
-
-
-@dataclass
-class LayerAudit:
-    """One cache entry: what the policy says, what the cache class is, and the bytes it holds."""
-
-    index: int
-    decision: str
-    cache_class: str
-    tokens: int
-    regions: dict[str, int]
-    resident: int  # bytes holding tokens (growth reserve excluded)
-    fp16_bytes: int  # what FP16Cache would hold for the same tokens
-    ok: bool
-    note: str = ""
-
-
-@dataclass
-class AuditReport:
-    """The audit of a whole PromptCache."""
-
-    label: str
-    layers: list[LayerAudit]
-
-    @property
-    def resident(self) -> int:
-        return sum(a.resident for a in self.layers)
-
-    @property
-    def fp16_bytes(self) -> int:
-        return sum(a.fp16_bytes for a in self.layers)
-
-    @property
-    def ok(self) -> bool:
-        return all(a.ok for a in self.layers)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "ok": self.ok, "resident": self.resident, "fp16_bytes": self.fp16_bytes,
-                "layers": [asdict(a) for a in self.layers]}
-
-
-def fp16_equivalent(cache: Any, decision: Any) -> int:
-    """Bytes an fp16 cache would hold for the tokens `cache` holds (batch x heads x tokens x (Dk+Dv) x 2)."""
-    if not isinstance(cache, GmlxCache) or decision.kv_heads is None:
-        return cache.nbytes
-    shape = cache.kv_shape
-    batch = 1 if shape is None else shape[0]
-    return batch * decision.kv_heads * cache.held * (decision.k_head_dim + decision.v_head_dim) * 2
-
-
-def _check_layer(cache: Any, d: Any, options: dict[str, Any]) -> str:
-    """Why this entry does not match its policy decision ('' when it does)."""
-    if d.decision == BASELINE:
-        if isinstance(cache, GmlxCache) and cache.scheme != BASELINE:
-            return f"policy says {BASELINE} but the cache is {type(cache).__name__}"
-        return ""
-    spec = get_scheme(d.decision)
-    if not isinstance(cache, spec.cache_class) or getattr(cache, "scheme", None) != d.decision:
-        return f"policy says {d.decision} but the cache is {type(cache).__name__}"
-    problem, quantized_now = spec.audit(cache, options)
-    if problem:
-        return problem
-    resident = sum(v for k, v in cache.regions().items() if k != "reserve")
-    if quantized_now and resident >= fp16_equivalent(cache, d):
-        return f"holds {resident} bytes, not below fp16's {fp16_equivalent(cache, d)}"
-    return ""
-
-
-def audit(prompt_cache: PromptCache, *, strict: bool = True) -> AuditReport:
-    """Check every layer stores what the policy reports; raise AuditError naming the layers that do not.
-
-    A quantized layer must be the scheme's cache class, pass the scheme's own checks (`Scheme.audit`:
-    widths, codes stored once due) and hold fewer resident bytes than fp16 for the same tokens (once it
-    is past its fp16 phase: kvarn's sink and tail, affine's quantized_kv_start). `strict=False` returns
-    the report instead of raising.
-    """
-    chosen = getattr(prompt_cache, "policy", None)
-    if chosen is None:
-        raise ValueError("audit needs a PromptCache built by gmlx_lab.make_cache (it carries the policy)")
-    if len(prompt_cache) != len(chosen.layers):
-        raise AuditError(f"{chosen.label}: {len(prompt_cache)} cache entries, policy has {len(chosen.layers)}")
-    layers = []
-    for cache, d in zip(prompt_cache, chosen.layers):
-        note = _check_layer(cache, d, chosen.options)
-        regions = cache.regions() if isinstance(cache, GmlxCache) else {"native": cache.nbytes}
-        resident = sum(v for k, v in regions.items() if k != "reserve")
-        layers.append(LayerAudit(d.index, d.decision, type(cache).__name__, getattr(cache, "offset", 0),
-                                 regions, resident, fp16_equivalent(cache, d), not note, note))
-    report = AuditReport(chosen.label, layers)
-    if strict and not report.ok:
-        bad = "; ".join(f"layer {a.index}: {a.note}" for a in layers if not a.ok)
-        raise AuditError(f"cache audit failed for {chosen.label}: {bad}")
-    return report
-
+__all__ = ["FidelityResult", "SchemeFidelity", "SWEEPS", "fidelity", "layer_sensitivity", "sweep_specs"]
 
 # -- results ----------------------------------------------------------------------------------------
 
@@ -406,15 +241,6 @@ def _tokens(tokenizer: Any, text_or_tokens: str | Sequence[int] | mx.array) -> m
     return mx.array(text_or_tokens, dtype=mx.int32).reshape(-1)
 
 
-def spec_policy(model: nn.Module, item: SchemeLike) -> tuple[str, Policy]:
-    """(spec text, policy) for a spec string, a (scheme, options) pair or a ready Policy."""
-    if isinstance(item, Policy):
-        return item.label, item
-    scheme, options = parse_scheme_spec(item)
-    spec = item if isinstance(item, str) else scheme_label(scheme, options)
-    return spec, policy(model, scheme, **options)
-
-
 def fidelity(
     model: nn.Module,
     tokenizer: Any,
@@ -511,7 +337,7 @@ def single_layer_policy(model: nn.Module, spec: str | tuple[str, dict[str, Any]]
         raise ValueError(f"layer {layer} cannot use {scheme}: {target.reason}")
     layers = [replace(d, decision=scheme, reason="sensitivity probe: only this layer quantized")
               if d.index == layer else replace(d, decision=BASELINE, reason="sensitivity probe") for d in base.layers]
-    return Policy(model, base.name, scheme, base.options, layers)
+    return Policy(model, base.name, scheme, base.options, layers, environment=base.environment)
 
 
 def layer_sensitivity(model: nn.Module, tokenizer: Any, text_or_tokens: str | Sequence[int] | mx.array,

@@ -30,10 +30,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from .fidelity import SchemeLike, parse_scheme_spec
+from ..policy import Policy, PromptCache, model_name, policy
+from ..registry import BASELINE, get_scheme
+from ..specs import SchemeLike, parse_scheme_spec
 from .metrics import kl_from_logprobs
-from .policy import Policy, PromptCache, model_name, policy
-from .registry import BASELINE, get_scheme
 
 __all__ = [
     "PASSKEY_FORMAT", "DraftResult", "DraftRun", "PasskeyFormat", "PasskeyPrompt", "PasskeyResult", "PasskeyTrial",

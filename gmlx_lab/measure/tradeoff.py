@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from .fidelity import FidelityResult, SchemeLike, scheme_label, spec_policy
-from .registry import BASELINE, SCHEMES, get_scheme
-from .viz.sizes import layer_bytes, layer_shapes, policy_bytes
+from ..registry import BASELINE, SCHEMES, get_scheme
+from ..specs import SchemeLike, scheme_label, spec_policy
+from .fidelity import FidelityResult
+from .sizes import layer_bytes, layer_shapes, policy_bytes
 
 __all__ = ["TradeoffPoint", "bytes_per_token", "crossover", "first_quantized_context", "pairs", "size_curves",
            "tradeoff_points", "versus"]

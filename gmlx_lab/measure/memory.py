@@ -23,10 +23,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache
 
-from .cache import FP16Cache, GmlxCache
-from .fidelity import SchemeLike, fp16_equivalent, spec_policy
-from .policy import PromptCache, policy
-from .registry import BASELINE, get_scheme
+from ..cache import FP16Cache, GmlxCache
+from ..policy import PromptCache, policy
+from ..registry import BASELINE, get_scheme
+from ..specs import SchemeLike, spec_policy
+from .audit import fp16_equivalent
 
 __all__ = ["LayerMemory", "MemoryReport", "SchemeMemory", "memory_report", "prefill_peak"]
 
