@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 from ..measure.tradeoff import TradeoffPoint
 from ..registry import BASELINE
 from .figures import scheme_color
-from .style import trace_styles
+from .style import shade, trace_styles
 
 __all__ = ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
@@ -41,13 +41,27 @@ def _dashes(families: Sequence[str], scheme_of: dict[str, str], first: int = 0) 
     return out
 
 
+# A scheme's tails look the same in every figure: (shade towards white, marker, dash) by kv_tail_tokens.
+TAIL_STYLES = {0: (-0.45, "circle", "solid"), 128: (0.0, "square", "dash"), 256: (0.2, "triangle-up", "dashdot"),
+               1024: (0.45, "diamond", "dot")}
+OTHER_TAIL = (0.3, "x", "longdash")
+
+
 def _family_styles(points: Sequence[TradeoffPoint]) -> dict[str, dict[str, str]]:
-    """{family: {color, dash, symbol}}: the scheme's colour, shades and markers for its tails (`trace_styles`), and
-    a dash each, so two tails of one scheme differ in shade, marker and dash."""
+    """{family: {color, dash, symbol}}: the scheme's colour; a family with a tail takes its tail's shade, marker and
+    dash (TAIL_STYLES, the same in every figure), the others `trace_styles`' with a dash per family."""
     families = list(dict.fromkeys(p.family for p in points))
+    tails = {p.family: p.tail for p in points}
     styles = trace_styles(families)
     dash = _dashes(families, {p.family: p.scheme for p in points})
-    return {fam: {**styles[fam], "dash": dash[fam]} for fam in families}
+    out = {}
+    for fam in families:
+        if tails[fam] is None:
+            out[fam] = {**styles[fam], "dash": dash[fam]}
+            continue
+        amount, symbol, tail_dash = TAIL_STYLES.get(tails[fam], OTHER_TAIL)
+        out[fam] = {"color": shade(scheme_color(fam), amount), "symbol": symbol, "dash": tail_dash}
+    return out
 
 
 def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, height: int = 420) -> go.Figure:
@@ -99,8 +113,10 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
     fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE))
     fig.add_annotation(x=ref / 1024, y=1, yref="paper", yanchor="bottom", xanchor="right", showarrow=False,
                        text=f"fp16 {ref / 1024:.3g} KiB/token", font={"size": 11})  # above the points
-    note = f"; KL 0 (nothing quantized): {', '.join(zero)}" if zero else ""
+    note = f"<br><sup>KL 0 (nothing quantized), not drawn: {', '.join(zero)}</sup>" if zero else ""
     fig.update_layout(title=(title or f"{model} at {context} tokens: fidelity against memory") + note)
+    if zero:
+        fig.update_layout(margin={**LAYOUT["margin"], "t": 85})
     return fig
 
 
