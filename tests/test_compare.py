@@ -144,7 +144,7 @@ def test_app_streams_every_column_and_enables_only_the_controls_that_apply(bundl
     assert [c.scheme for c in app.live.columns] == ["fp16"] + [n for n in app.schemes if n != "kvarn"]
 
 
-def test_app_links_k_and_v_and_clears_the_previous_run(bundled, monkeypatch) -> None:
+def test_app_links_k_and_v_and_clears_the_previous_run(bundled) -> None:
     model, tokenizer = bundled
     app = widgets.compare(model, tokenizer, context_tokens=0, max_tokens=3, schemes=["affine", "kvarn"])
     assert app.linked.value and app.k_bits.value == app.v_bits.value == 4
@@ -159,11 +159,10 @@ def test_app_links_k_and_v_and_clears_the_previous_run(bundled, monkeypatch) -> 
     app.linked.value = True
     assert app.v_bits.value == 2
     assert "<th style='padding:0 12px'>tokens/s" not in app.stats.value and "median KL" in app.stats.value
-    seen = []  # what the stats and the figure show while the next run streams
-    draw = app._draw_columns
-    monkeypatch.setattr(app, "_draw_columns", lambda boxes: (seen.append((app.stats.value, app.figure)), draw(boxes)))
+    seen = []  # what the stats and the figure show while the next run streams, at each step of its progress bar
+    app.progress.observe(lambda _: seen.append((app.stats.value, app.figure)), "value")
     app.generate()
-    assert seen and all("appear when this run ends" in text and fig is None for text, fig in seen[:-1])
+    assert len(seen) >= 3 and all("appear when this run ends" in text and fig is None for text, fig in seen)
     assert app.figure is not None and "median KL" in app.stats.value
 
 
