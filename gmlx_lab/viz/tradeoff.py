@@ -97,15 +97,18 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
     crowded = bool(xs) and max(xs) - min(xs) < 0.15 * 1.1 * widest  # near-vertical lines: labels beside, not above
     for i, fam in enumerate(style):
         for split in (False, True):
-            pts = sorted((p for p in rest if p.family == fam and p.split == split), key=lambda p: p.bytes_per_token)
+            pts = sorted((p for p in rest if p.family == fam and p.split == split),
+                         key=lambda p: (p.bytes_per_token, -p.kl))
             if not pts:
                 continue
+            side = ("middle right" if crowded and i % 2 else "middle left" if crowded
+                    else "bottom center" if i % 2 else "top center")
             fig.add_scatter(
                 x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts],
                 name=f"{fam}, K and V widths differ" if split else fam,
                 mode="markers+text" if split else "lines+markers+text", text=[p.width for p in pts],
-                textposition=("middle right" if split or (crowded and i % 2) else "middle left" if crowded
-                              else "bottom center" if i % 2 else "top center"),
+                # split points often share their bytes: labels alternate above and below, the higher one above
+                textposition=[("top right", "bottom right")[j % 2] for j in range(len(pts))] if split else side,
                 marker={"size": 10 if split else 8, "symbol": "diamond-open" if split else style[fam]["symbol"],
                         "color": style[fam]["color"]},
                 line={"color": style[fam]["color"], "dash": style[fam]["dash"]}, customdata=[p.label for p in pts],
