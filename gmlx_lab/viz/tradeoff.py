@@ -87,7 +87,7 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
     widest = max([ref, *(p.bytes_per_token for p in rest)]) / 1024
     fig = go.Figure()
     kls = [p.kl for p in rest] or [1e-3]
-    decades = [math.floor(math.log10(min(kls))) - 0.15, math.ceil(math.log10(max(kls))) + 0.15]  # a label each end
+    decades = [math.floor(math.log10(min(kls))) - 0.15, math.ceil(math.log10(max(kls))) + 0.4]  # a label each end
     fig.update_layout(**LAYOUT, height=height, xaxis={"range": [0, 1.1 * widest]},
                       yaxis={"type": "log", "dtick": 1, "exponentformat": "e", "range": decades},
                       xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
