@@ -297,3 +297,41 @@ def test_weight_widths_are_read_and_bad_ones_refused():
             parse_weight_bits(bad)
     with pytest.raises(ValueError, match="weight bits=7 is not accepted"):
         quantize_weights(nn.Linear(64, 64), 7)
+
+
+def test_committed_passkey_counts_and_a_heatmap_that_fits() -> None:
+    """Notebook 10 states counts from the committed run (recall_counts), and its heatmaps wrap at four a row, so
+    seven schemes fit a notebook's width."""
+    from gmlx_lab.measure.experiments import recall_counts
+
+    section = viz.benchmark_results("beyond-kl-gemma3-270m-cpu.json")["beyond-kl-gemma3-270m-cpu.json"]
+    data = section["sections"]["passkey"]["result"]
+    counts = recall_counts(data)
+    assert list(counts) == data["labels"] and counts["fp16"][1] == len(data["lengths"]) * len(data["depths"])
+    for label, (hits, asked) in counts.items():
+        assert hits / asked == pytest.approx(data["accuracy"][label])
+    heat = viz.passkey_heatmaps(data)
+    assert len(data["labels"]) > 4 and heat.layout.width is None  # it takes the notebook's width
+    assert {t.xaxis for t in heat.data} == {f"x{i}" if i > 1 else "x" for i in range(1, len(data["labels"]) + 1)}
+    assert max(int(t.yaxis[1:] or 1) for t in heat.data) == len(data["labels"])  # one axis per panel
+    assert heat.layout.xaxis5.domain[0] == heat.layout.xaxis.domain[0]  # the fifth scheme starts the second row
+    assert viz.figure_problems(heat) == []
+    with pytest.raises(ValueError, match="not a passkey result"):
+        recall_counts({"labels": []})
+
+
+def test_draft_app_opens_on_the_target_itself(teaching) -> None:
+    """The draft app's default shows the takeaway: with all layers the draft is the target with an fp16 cache, so
+    fp16 accepts every draft and a 2-bit affine target cache fewer; its sentence says so from the run."""
+    from gmlx_lab import widgets
+
+    model, tok = teaching
+    app = widgets.draft_app(model, tok, context=128, max_tokens=12)
+    assert app.layers.value == len(model.layers) and app.picker.spec == "affine2"
+    fp16, affine = app.result.runs
+    assert fp16.acceptance == 1.0 and affine.acceptance < 1.0
+    sentence = widgets.experiments.draft_sentence(app.result, app.layers.value, len(model.layers))
+    assert sentence.startswith("affine2 g64 accepted fewer drafted tokens than fp16") and "doing" in sentence
+    assert "ran in" in app.status.value
+    short = widgets.experiments.draft_sentence(app.result, 4, len(model.layers))
+    assert "4-layer draft" in short

@@ -106,12 +106,22 @@ def test_figures_follow_the_lab_rules(model) -> None:
         assert viz.figure_problems(fig) == [], name
     trade = figs["tradeoff"]
     names = [t.name for t in trade.data]
-    assert names == ["affine", "kvarn tail=0", "kvarn tail=128", "affine_rot"]  # split widths: in the table
+    assert names == ["affine", "kvarn tail=0", "kvarn tail=128", "kvarn tail=128, K and V widths differ",
+                     "affine_rot"]  # every scheme drawn, whatever its widths
     assert trade.layout.yaxis.type == "log" and list(trade.data[0].text) == ["2", "3", "4", "6", "8"]
+    split = trade.data[3]
+    by = {p.label: p for p in points}
+    assert list(split.text) == ["k8v4", "k4v8"] and split.x[0] == by["kvarn k8v4 tail=128"].bytes_per_token / 1024
+    assert split.mode == "markers+text" and split.marker.color == trade.data[2].marker.color  # its family's colour
+    tails = trade.data[1], trade.data[2]  # two tails of one scheme: told apart by shade, marker and dash
+    assert len({(t.line.color, t.marker.symbol, t.line.dash) for t in tails}) == 2
+    assert tails[0].line.color != tails[1].line.color and tails[0].line.dash != tails[1].line.dash
+    assert trade.layout.xaxis.range[0] == 0  # no axis that magnifies a small difference in memory
     assert trade.layout.shapes[0].x0 == 4.0  # fp16's 4 KiB per token: the baseline
     assert "35.7K tokens" in figs["size"].layout.annotations[1].text
     pub = figs["published"]
     assert [t.name for t in pub.data][:2] == ["affine (gmlx)", "kvarn (gmlx)"]
+    assert "kvarn tail=128, K and V widths differ (ours)" in [t.name for t in pub.data]
     assert {t.xaxis for t in pub.data} == {"x", "x2"} and pub.layout.yaxis2.matches == "y"  # one KL axis
 
 
@@ -132,3 +142,25 @@ def test_kl_shades_one_fixed_log_scale() -> None:
     assert viz.kl_color(hi) == viz.kl_color(10 * hi) != viz.kl_color(lo)  # clipped above, shaded from lo up
     legend = viz.kl_legend_html()
     assert "1e-5" in legend and "1e0" in legend and "fixed log scale" in legend
+
+
+def test_pairs_compare_at_equal_width_and_at_equal_memory() -> None:
+    """Notebook 07's sentences: kvarn against affine at the same width, and against the affine caches of about its
+    size; the verdict word follows the numbers."""
+    points = _points()
+    width = tradeoff.pairs(points, by="width")
+    labels = {(a.label, b.label) for a, b in width}
+    assert labels >= {("kvarn4 tail=0", "affine4 g64"), ("kvarn4 tail=128", "affine4 g64")}
+    assert all(a.bits == b.bits and not a.split for a, b in width)
+    memory = tradeoff.pairs(points, by="memory")
+    assert [(a.label, b.label) for a, b in memory][:1] == [("kvarn2 tail=0", "affine4 g64")]
+    assert all(abs(a.share_of_fp16 - b.share_of_fp16) < 0.02 for a, b in memory)
+    by = {p.label: p for p in points}
+    assert tradeoff.versus(by["kvarn2 tail=0"], by["affine4 g64"]).startswith(
+        "kvarn2 tail=0 (37.6% of fp16, KL 2.1e-03) has 2.3 times less KL than affine4 g64 (37.1%")
+    assert "times more KL than" in tradeoff.versus(by["affine4 g64"], by["kvarn2 tail=0"])
+    assert "about the KL of" in tradeoff.versus(by["affine4 g64"], by["affine4 g64"])
+    with pytest.raises(ValueError, match="accepted: 'width', 'memory'"):
+        tradeoff.pairs(points, by="bits")
+    with pytest.raises(ValueError, match="two points with KL > 0"):
+        tradeoff.versus(by["fp16"], by["affine4 g64"])

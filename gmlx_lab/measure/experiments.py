@@ -38,8 +38,8 @@ from .metrics import kl_from_logprobs
 __all__ = [
     "PASSKEY_FORMAT", "DraftResult", "DraftRun", "PasskeyFormat", "PasskeyPrompt", "PasskeyResult", "PasskeyTrial",
     "WeightsKVResult", "choose_policy", "decode_logprobs", "draft_acceptance", "greedy_tokens", "layer_skip_draft",
-    "needle_storage", "passkey", "passkey_prompt", "prefill", "quantize_weights", "random_key", "sliding_window",
-    "speculative_run", "stored_prefix", "weights_and_kv",
+    "needle_storage", "passkey", "passkey_prompt", "prefill", "quantize_weights", "random_key", "recall_counts",
+    "sliding_window", "speculative_run", "stored_prefix", "weights_and_kv",
 ]
 
 
@@ -278,6 +278,19 @@ class PasskeyResult:
 
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
+
+
+def recall_counts(result: PasskeyResult | dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(keys recalled, keys asked) per scheme of a passkey run: a PasskeyResult or its `to_dict()`, as the
+    committed benchmarks/results files store it. Counts, not rates: a run holds a handful of keys per scheme."""
+    data = result.to_dict() if isinstance(result, PasskeyResult) else result
+    if "trials" not in data or "labels" not in data:
+        raise ValueError("not a passkey result: expected PasskeyResult or its to_dict() (with 'labels' and 'trials')")
+    out = {label: (0, 0) for label in data["labels"]}
+    for t in data["trials"]:
+        hits, asked = out[t["label"]]
+        out[t["label"]] = (hits + bool(t["correct"]), asked + 1)
+    return out
 
 
 def _pct(x: float) -> str:

@@ -26,8 +26,8 @@ from ..specs import SchemeLike, scheme_label, spec_policy
 from .fidelity import FidelityResult
 from .sizes import layer_bytes, layer_shapes, policy_bytes
 
-__all__ = ["TradeoffPoint", "bytes_per_token", "crossover", "first_quantized_context", "size_curves",
-           "tradeoff_points"]
+__all__ = ["TradeoffPoint", "bytes_per_token", "crossover", "first_quantized_context", "pairs", "size_curves",
+           "tradeoff_points", "versus"]
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,20 @@ class TradeoffPoint:
 
     @property
     def family(self) -> str:
-        """The scheme, K/V widths where they differ, and the tail: a family's points differ only in width."""
-        split = f" k{self.bits}v{self.v_bits}" if self.bits != self.v_bits else ""
-        return self.scheme + split + ("" if self.tail is None else f" tail={self.tail}")
+        """The scheme and its tail: a family's points differ only in their widths."""
+        return self.scheme + ("" if self.tail is None else f" tail={self.tail}")
+
+    @property
+    def split(self) -> bool:
+        """K and V stored at different widths (kvarn k8v4)."""
+        return self.bits != self.v_bits
+
+    @property
+    def width(self) -> str:
+        """The widths as a figure labels them: "4", or "k8v4" where K and V differ ("" for fp16)."""
+        if self.bits is None:
+            return ""
+        return f"k{self.bits}v{self.v_bits}" if self.split else f"{self.bits}"
 
     @property
     def share_of_fp16(self) -> float:
@@ -139,3 +150,41 @@ def tradeoff_points(result: FidelityResult | dict[str, Any]) -> list[TradeoffPoi
                                     values.get("kv_tail_tokens"), context, s["cache_bytes"] / context,
                                     s["fp16_bytes"] / context, float(s["decode_median_kl"])))
     return points
+
+
+def pairs(points: Sequence[TradeoffPoint], first: str = "kvarn", second: str = "affine", by: str = "memory",
+          within: float = 0.02) -> list[tuple[TradeoffPoint, TradeoffPoint]]:
+    """(first, second) pairs of one run's points to compare, sorted by the second's bytes per token.
+
+    by="width": every `first` point with the width of a `second` point (K and V equal), one pair per width and
+    tail. by="memory": for each `second` point, every `first` point with equal K and V widths within `within` x
+    fp16's bytes per token of it, nearest first. Points with KL 0 (nothing quantized) are left out.
+    """
+    if by not in ("width", "memory"):
+        raise ValueError(f"by={by!r} is not accepted; accepted: 'width', 'memory'")
+    ours = [p for p in points if p.scheme == first and p.kl > 0 and not p.split]
+    theirs = sorted((p for p in points if p.scheme == second and p.kl > 0 and not p.split),
+                    key=lambda p: p.bytes_per_token)
+    out = []
+    for b in theirs:
+        if by == "width":
+            out += [(a, b) for a in ours if a.bits == b.bits]
+            continue
+        gap = {a.label: abs(a.bytes_per_token - b.bytes_per_token) for a in ours}
+        near = sorted((a for a in ours if gap[a.label] < within * b.fp16_bytes_per_token), key=lambda a: gap[a.label])
+        out += [(a, b) for a in near]
+    return out
+
+
+def versus(a: TradeoffPoint, b: TradeoffPoint) -> str:
+    """One comparison in words, the verdict computed: "kvarn2 tail=0 (37.6% of fp16, KL 2.1e-03) has 2.3 times
+    less KL than affine4 g64 (37.1%, KL 4.8e-03)"."""
+    if a.kl <= 0 or b.kl <= 0:
+        raise ValueError(f"versus compares two points with KL > 0, got {a.label} ({a.kl}) and {b.label} ({b.kl})")
+    ratio = b.kl / a.kl
+    times = max(ratio, 1 / ratio)
+    times_text = f"{times:.0f}" if times >= 10 else f"{times:.2g}"
+    how = (f"{times_text} times less KL than" if ratio >= 1.05 else f"{times_text} times more KL than"
+           if ratio <= 1 / 1.05 else "about the KL of")
+    return (f"{a.label} ({100 * a.share_of_fp16:.1f}% of fp16, KL {a.kl:.1e}) has {how} {b.label} "
+            f"({100 * b.share_of_fp16:.1f}%, KL {b.kl:.1e})")

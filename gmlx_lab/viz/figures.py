@@ -564,24 +564,30 @@ def experiment_data(result: Any) -> dict[str, Any]:
     return result.to_dict() if hasattr(result, "to_dict") else result
 
 
-def passkey_heatmaps(result: Any, title: str | None = None) -> go.Figure:
-    """One heatmap per scheme: passkey accuracy by needle depth (rows) and prompt length (columns)."""
+def passkey_heatmaps(result: Any, title: str | None = None, per_row: int = 4) -> go.Figure:
+    """One heatmap per scheme: passkey accuracy by needle depth (rows) and prompt length (columns); at most
+    `per_row` schemes side by side, so the figure fits a notebook's width (it takes the width it is given)."""
     data = experiment_data(result)
     labels, lengths, depths = data["labels"], data["lengths"], data["depths"]
     names = [f"{label}{' (baseline)' if label == BASELINE else ''}: {100 * data['accuracy'][label]:.0f}%"
              for label in labels]
-    fig = make_subplots(rows=1, cols=len(labels), shared_yaxes=True, horizontal_spacing=0.02,
-                        subplot_titles=names)
+    rows, cols = -(-len(labels) // per_row), min(len(labels), per_row)
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, horizontal_spacing=0.03,
+                        vertical_spacing=0.45 / rows, subplot_titles=names)
     for i, label in enumerate(labels):
+        row, col = i // cols + 1, i % cols + 1
         z = np.array(data["grids"][label], dtype=float)
-        fig.add_heatmap(z=z, x=[str(n) for n in lengths], y=[f"{100 * d:.0f}%" for d in depths], row=1, col=i + 1,
+        fig.add_heatmap(z=z, x=[str(n) for n in lengths], y=[f"{100 * d:.0f}%" for d in depths], row=row, col=col,
                         zmin=0, zmax=1, colorscale=ACCURACY_SCALE, showscale=i == len(labels) - 1,
                         colorbar={"title": "recalled", "tickformat": ".0%"}, text=np.round(100 * z).astype(int),
                         texttemplate="%{text}%", xgap=2, ygap=2,
                         hovertemplate=f"{label}<br>%{{x}} tokens, needle at %{{y}}: %{{z:.0%}}<extra></extra>")
-        fig.update_xaxes(title_text="prompt length (tokens)", type="category", row=1, col=i + 1)
-    fig.update_yaxes(title_text="needle depth (% of context)", type="category", autorange="reversed", row=1, col=1)
-    fig.update_layout(**_LAYOUT, height=340, width=max(520, 230 * len(labels)),
+        fig.update_xaxes(title_text="prompt length (tokens)", type="category", row=row, col=col)
+    for row in range(1, rows + 1):
+        fig.update_yaxes(title_text="needle depth (% of context)", type="category", autorange="reversed", row=row,
+                         col=1)
+    fig.update_yaxes(type="category", autorange="reversed")
+    fig.update_layout(**{**_LAYOUT, "margin": {**_LAYOUT["margin"], "t": 90}}, height=140 + 260 * rows,
                       title=title or f"passkey retrieval, {data['model']} (greedy answer holds the key)")
     return fig
 

@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 from ..measure.tradeoff import TradeoffPoint
 from ..registry import BASELINE
 from .figures import scheme_color
-from .style import context_ticks, log_ticks
+from .style import context_ticks, log_ticks, shade, trace_styles
 
 __all__ = ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
@@ -41,13 +41,37 @@ def _dashes(families: Sequence[str], scheme_of: dict[str, str], first: int = 0) 
     return out
 
 
+# A scheme's tails look the same in every figure: (shade towards white, marker, dash) by kv_tail_tokens.
+TAIL_STYLES = {0: (-0.45, "circle", "solid"), 128: (0.0, "square", "dash"), 256: (0.2, "triangle-up", "dashdot"),
+               1024: (0.45, "diamond", "dot")}
+OTHER_TAIL = (0.3, "x", "longdash")
+
+
+def _family_styles(points: Sequence[TradeoffPoint]) -> dict[str, dict[str, str]]:
+    """{family: {color, dash, symbol}}: the scheme's colour; a family with a tail takes its tail's shade, marker and
+    dash (TAIL_STYLES, the same in every figure), the others `trace_styles`' with a dash per family."""
+    families = list(dict.fromkeys(p.family for p in points))
+    tails = {p.family: p.tail for p in points}
+    styles = trace_styles(families)
+    dash = _dashes(families, {p.family: p.scheme for p in points})
+    out = {}
+    for fam in families:
+        if tails[fam] is None:
+            out[fam] = {**styles[fam], "dash": dash[fam]}
+            continue
+        amount, symbol, tail_dash = TAIL_STYLES.get(tails[fam], OTHER_TAIL)
+        out[fam] = {"color": shade(scheme_color(fam), amount), "symbol": symbol, "dash": tail_dash}
+    return out
+
+
 def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, height: int = 420) -> go.Figure:
     """Decode median KL against cache KiB per token, one line per scheme family (scheme + tail), one marker per
     width (labelled with its bits); fp16 is the dotted vertical line (KL 0). Points of one model and context.
 
     Down and to the left is better; a point to the right of another family's line costs more memory for that
-    family's fidelity. Points with KL exactly 0 other than fp16 (nothing quantized) cannot sit on a log axis:
-    they are listed in the title. K and V at different widths (kvarn k8v4) are left out: see the run's table.
+    family's fidelity. K and V at different widths (kvarn k8v4) are markers of their family's colour and marker,
+    unjoined, labelled k8v4, at their true bytes per token. The x axis starts at 0, so a cache at 90% of fp16 looks
+    it. Points with KL exactly 0 other than fp16 (nothing quantized) cannot sit on a log axis: the title lists them.
     """
     if not points:
         raise ValueError("tradeoff_figure needs at least one TradeoffPoint (from gmlx_lab.tradeoff.tradeoff_points)")
@@ -56,30 +80,46 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
         raise ValueError(f"tradeoff_figure draws one model at one context, got {sorted(models)}: "
                          "filter the points first")
     model, context = models.pop()
-    fig = go.Figure()
-    fig.update_layout(**LAYOUT, height=height, yaxis={"type": "log"},
-                      xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
-                      legend_title_text="scheme (width in bits)")
     fp16 = [p for p in points if p.scheme == BASELINE]
     zero = [p.label for p in points if p.scheme != BASELINE and p.kl <= 0]
-    rest = [p for p in points if p.scheme != BASELINE and p.kl > 0 and p.bits == p.v_bits]
-    families = list(dict.fromkeys(p.family for p in rest))
-    dash = _dashes(families, {p.family: p.scheme for p in rest})
-    for i, fam in enumerate(families):
-        pts = sorted((p for p in rest if p.family == fam), key=lambda p: p.bytes_per_token)
-        fig.add_scatter(
-            x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts], name=fam, mode="lines+markers+text",
-            text=[f"{p.bits}" for p in pts], textposition="bottom center" if i % 2 else "top center",
-            marker={"size": 8},
-            line={"color": scheme_color(fam), "dash": dash[fam]}, customdata=[p.label for p in pts],
-            hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
-    if rest:
-        fig.update_yaxes(**log_ticks(p.kl for p in rest))
+    rest = [p for p in points if p.scheme != BASELINE and p.kl > 0]
     ref = fp16[0].bytes_per_token if fp16 else points[0].fp16_bytes_per_token
-    fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE),
-                  annotation_text=f"fp16 {ref / 1024:.3g} KiB/token", annotation_position="top left")
-    note = f"; KL 0 (nothing quantized): {', '.join(zero)}" if zero else ""
-    fig.update_layout(title=title or f"{model} at {context} tokens: fidelity against memory{note}")
+    widest = max([ref, *(p.bytes_per_token for p in rest)]) / 1024
+    fig = go.Figure()
+    kls = [p.kl for p in rest] or [1e-3]
+    decades = [math.floor(math.log10(min(kls))) - 0.15, math.ceil(math.log10(max(kls))) + 0.4]  # a label each end
+    fig.update_layout(**LAYOUT, height=height, xaxis={"range": [0, 1.1 * widest]},
+                      yaxis={"type": "log", "dtick": 1, "exponentformat": "e", "range": decades},
+                      xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
+                      legend_title_text="scheme (width in bits)")
+    style = _family_styles(rest)
+    xs = [p.bytes_per_token / 1024 for p in rest]
+    crowded = bool(xs) and max(xs) - min(xs) < 0.15 * 1.1 * widest  # near-vertical lines: labels beside, not above
+    for i, fam in enumerate(style):
+        for split in (False, True):
+            pts = sorted((p for p in rest if p.family == fam and p.split == split),
+                         key=lambda p: (p.bytes_per_token, -p.kl))
+            if not pts:
+                continue
+            side = ("middle right" if crowded and i % 2 else "middle left" if crowded
+                    else "bottom center" if i % 2 else "top center")
+            fig.add_scatter(
+                x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts],
+                name=f"{fam}, K and V widths differ" if split else fam,
+                mode="markers+text" if split else "lines+markers+text", text=[p.width for p in pts],
+                # split points often share their bytes: labels alternate above and below, the higher one above
+                textposition=[("top right", "bottom right")[j % 2] for j in range(len(pts))] if split else side,
+                marker={"size": 10 if split else 8, "symbol": "diamond-open" if split else style[fam]["symbol"],
+                        "color": style[fam]["color"]},
+                line={"color": style[fam]["color"], "dash": style[fam]["dash"]}, customdata=[p.label for p in pts],
+                hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
+    fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE))
+    fig.add_annotation(x=ref / 1024, y=1, yref="paper", yanchor="bottom", xanchor="right", showarrow=False,
+                       text=f"fp16 {ref / 1024:.3g} KiB/token", font={"size": 11})  # above the points
+    note = f"<br><sup>KL 0 (nothing quantized), not drawn: {', '.join(zero)}</sup>" if zero else ""
+    fig.update_layout(title=(title or f"{model} at {context} tokens: fidelity against memory") + note)
+    if zero:
+        fig.update_layout(margin={**LAYOUT["margin"], "t": 85})
     return fig
 
 
@@ -131,18 +171,28 @@ def published_vs_ours_figure(published: Sequence[dict[str, Any]], ours: Sequence
         fig.add_scatter(x=[r["bits"] for r in rows], y=[r[s] for r in rows], name=f"{s} (gmlx)",
                         mode="lines+markers", line={"color": scheme_color(s), "dash": "solid"}, row=1, col=1,
                         hovertemplate=f"{s} %{{x}}-bit: KL %{{y:.2e}} nats<extra>gmlx</extra>")
-    rest = [p for p in ours if p.scheme != BASELINE and p.kl > 0 and p.bits == p.v_bits]
-    families = list(dict.fromkeys(p.family for p in rest))
-    order = _dashes(families, {p.family: p.scheme for p in rest}, first=1)
-    for fam in families:
-        pts = sorted((p for p in rest if p.family == fam), key=lambda p: p.bits)
-        fig.add_scatter(x=[p.bits for p in pts], y=[p.kl for p in pts], name=f"{fam} (ours)", mode="lines+markers",
-                        line={"color": scheme_color(fam), "dash": order[fam]}, row=1, col=2,
-                        hovertemplate=f"{html.escape(fam)} %{{x}}-bit: KL %{{y:.2e}} nats<extra>ours</extra>")
+    rest = [p for p in ours if p.scheme != BASELINE and p.kl > 0]
+    style = _family_styles(rest)
+    order = _dashes(list(style), {p.family: p.scheme for p in rest}, first=1)
+    for fam in style:
+        for split in (False, True):
+            pts = sorted((p for p in rest if p.family == fam and p.split == split), key=lambda p: p.bits + p.v_bits)
+            if not pts:
+                continue
+            fig.add_scatter(x=[(p.bits + p.v_bits) / 2 for p in pts], y=[p.kl for p in pts],
+                            name=f"{fam}, K and V widths differ (ours)" if split else f"{fam} (ours)",
+                            mode="markers+text" if split else "lines+markers", text=[p.width for p in pts],
+                            textposition="middle right",
+                            marker={"symbol": "diamond-open" if split else style[fam]["symbol"],
+                                    "size": 9 if split else 6, "color": style[fam]["color"]},
+                            line={"color": style[fam]["color"], "dash": order[fam]}, row=1, col=2,
+                            customdata=[p.label for p in pts],
+                            hovertemplate="%{customdata}: KL %{y:.2e} nats<extra>ours</extra>")
     fig.update_yaxes(type="log", title_text="decode median KL vs fp16 (nats)",
                      **log_ticks([r[s] for r in published for s in schemes] + [p.kl for p in rest]))
     fig.update_yaxes(showticklabels=True, row=1, col=2)
-    fig.update_xaxes(title_text="code width (bits)", dtick=1)
+    fig.update_xaxes(title_text="code width (bits)", dtick=1, row=1, col=1)
+    fig.update_xaxes(title_text="code width (bits; K and V differ: their mean)", dtick=1, row=1, col=2)
     fig.update_layout(**LAYOUT, height=height, title="decode median KL per width: gmlx's model and ours")
     return fig
 

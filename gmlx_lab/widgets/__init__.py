@@ -12,6 +12,7 @@ draws them through anywidget, offline).
 from __future__ import annotations
 
 import html
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,14 +22,15 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 from .. import kv_inspect
-from ..live import LiveColumn, LiveCompare, quantized_tokens
+from ..live import TEMPERATURE, LiveColumn, LiveCompare, quantized_tokens
 from ..models import BUNDLED_NAME, available_models, load
 from ..registry import BASELINE, SCHEMES, get_scheme
 from ..viz import figures
 from ..viz import tradeoff as tradeoff_viz
 from ..viz.figures import scheme_color
 from ..viz.quant import outlier_ratio
-from .experiments import DraftApp, PasskeyApp, SchemePicker, WeightsApp, draft_app, passkey_app, weights_app
+from ..viz.say import Say
+from .experiments import WIDTHS, DraftApp, PasskeyApp, SchemePicker, WeightsApp, draft_app, passkey_app, weights_app
 
 __all__ = ["CompareApp", "DraftApp", "ModelPicker", "PasskeyApp", "SchemePicker", "WeightsApp", "compare",
            "draft_app", "kv_explorer", "model_picker", "passkey_app", "region_explorer", "weights_app"]
@@ -167,17 +169,19 @@ class CompareApp:
     """Live comparison: fp16 and each chosen scheme side by side, streamed token by token.
 
     The prompt follows `context_tokens` tokens of the bundled evaluation text, so the cache is long enough for
-    kvarn to seal records (its first 128 tokens are an fp16 sink). Every column is greedy text from
-    `mlx_lm.stream_generate` with that scheme's cache (gmlx_lab.live.LiveCompare); each token is shaded by
-    KL(fp16 || scheme) of the distribution it was drawn from, on one fixed log scale for all columns. The
-    controls map to each scheme's options through `Scheme.widget_options`; a control no chosen scheme has is
-    disabled. Below: what each cache holds (sink, records, live group, tail), its bytes, and its KL against
-    its bytes per token (the equal-memory view).
+    kvarn to seal records (its first 128 tokens are an fp16 sink). Every column is text from
+    `mlx_lm.stream_generate` with that scheme's cache (gmlx_lab.live.LiveCompare), sampled from one random stream
+    shared by all columns (or greedy at temperature 0); each token is shaded by KL(fp16 || scheme) of the
+    distribution it was drawn from, on one fixed log scale for all columns. K and V widths move together until
+    the link is switched off; the controls map to each scheme's options through `Scheme.widget_options`, and a
+    control no chosen scheme has is disabled. Below: what each cache holds (sink, records, live group, tail),
+    its bytes, and its KL against its bytes per token (the equal-memory view). No speed is shown: the columns
+    run in turn on one machine, so their tokens/s would not be a fair comparison.
     """
 
     def __init__(self, model: Any, tokenizer: Any, prompt: str = "Once upon a time", context_tokens: int = 448,
                  max_tokens: int = 64, schemes: Sequence[str] | None = None, bits: int = 4, tail: int = 128,
-                 autorun: bool = True):
+                 temperature: float = TEMPERATURE, seed: int = 0, autorun: bool = True):
         self.model, self.tokenizer = model, tokenizer
         names = [n for n in SCHEMES if n != BASELINE] if schemes is None else [get_scheme(s).name for s in schemes]
         names = [n for n in names if n != BASELINE]  # fp16 is always the first column: the reference
@@ -190,12 +194,19 @@ class CompareApp:
                                   layout={"width": "220px"})
         self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=512, description="new tokens",
                                            layout={"width": "200px"})
+        temperatures = sorted({0.0, 0.3, 0.6, 0.8, 1.0, float(temperature)})
+        self.temperature = W.Dropdown(options=[("greedy" if t == 0 else f"{t:g}", t) for t in temperatures],
+                                      value=float(temperature), description="temperature",
+                                      tooltip="0: greedy; otherwise every column samples with the same random "
+                                              "numbers", layout={"width": "220px"},
+                                      style={"description_width": "initial"})
+        self.seed = W.BoundedIntText(value=seed, min=0, max=2**31 - 1, description="seed", layout={"width": "160px"})
         self.schemes = {n: W.Checkbox(value=True, description=n, indent=False, tooltip=get_scheme(n).summary,
                                       layout={"width": "auto", "margin": "0 16px 0 0"}) for n in names}
-        self.k_bits = W.Dropdown(options=[2, 3, 4, 5, 6, 8], value=bits, description="K bits",
-                                 layout={"width": "160px"})
-        self.v_bits = W.Dropdown(options=[2, 3, 4, 5, 6, 8], value=bits, description="V bits",
-                                 layout={"width": "160px"})
+        self.k_bits = W.Dropdown(options=WIDTHS, value=bits, description="K bits", layout={"width": "160px"})
+        self.v_bits = W.Dropdown(options=WIDTHS, value=bits, description="V bits", layout={"width": "160px"})
+        self.linked = W.ToggleButton(value=True, description="K = V", icon="link", layout={"width": "90px"},
+                                     tooltip="K and V widths move together; switch off to set them apart")
         self.tail = W.Dropdown(options=[0, 128, 256, 1024], value=tail, description="fp16 tail",
                                layout={"width": "180px"})
         self.applies = W.HTML()
@@ -205,14 +216,30 @@ class CompareApp:
         self.legend = W.HTML(tradeoff_viz.kl_legend_html())
         self.columns = W.HBox(layout={"width": "100%", "align_items": "stretch"})
         self.stats = W.HTML()
-        self.strip = go.FigureWidget()  # the equal-memory strip, drawn when a generation ends
+        self.summary = W.Output()  # what the run shows, in sentences built from its values (LiveCompare.summary)
+        self.strip = W.Output()  # the equal-memory figure, drawn when a generation ends
         self.live: LiveCompare | None = None
+        self.figure: go.Figure | None = None  # the last run's equal-memory figure
+        self.k_bits.observe(lambda change: self._follow(self.v_bits, change["new"]), "value")
+        self.v_bits.observe(lambda change: self._follow(self.k_bits, change["new"]), "value")
+        self.linked.observe(lambda change: self._relink(change["new"]), "value")
         for w in (*self.schemes.values(), self.k_bits, self.v_bits, self.tail):
             w.observe(lambda _: self.update_controls(), "value")
         self.run.on_click(lambda _: self.generate())
         self.update_controls()
         if autorun:
             self.generate()
+
+    def _follow(self, other: W.Dropdown, value: int) -> None:
+        """While linked, a width set on K or V is set on the other too."""
+        if self.linked.value and other.value != value:
+            other.value = value
+
+    def _relink(self, linked: bool) -> None:
+        self.linked.icon, self.linked.description = ("link", "K = V") if linked else ("unlink", "K ≠ V")
+        if linked:
+            self.v_bits.value = self.k_bits.value
+        self.update_controls()
 
     def chosen(self) -> list[str]:
         """The schemes toggled on (fp16 comes first on its own)."""
@@ -232,13 +259,20 @@ class CompareApp:
         }
         for control, names in users.items():
             control.disabled = not names
+        self.linked.disabled = not users[self.v_bits]
         one_width = [n for n in users[self.k_bits] if n not in users[self.v_bits]]
+        split = self.k_bits.value != self.v_bits.value and users[self.v_bits]
         self.applies.value = (
             "<small>"
             f"K bits: {', '.join(users[self.k_bits]) or 'no chosen scheme'}"
             + (f" ({', '.join(one_width)}: one width for K and V)" if one_width else "")
             + f" · V bits: {', '.join(users[self.v_bits]) or 'no chosen scheme'}"
-            + f" · fp16 tail: {', '.join(users[self.tail]) or 'no chosen scheme'}</small>")
+            + f" · fp16 tail: {', '.join(users[self.tail]) or 'no chosen scheme'}</small>"
+            + ("<br><small style='color:#b35900'><b>K and V at different widths</b>: "
+               f"{', '.join(users[self.v_bits])} store K{self.k_bits.value} V{self.v_bits.value}, "
+               f"{', '.join(one_width) or 'no other scheme'} K and V at {self.k_bits.value} bits: not an equal-width "
+               "comparison; the figure below places every cache at its bytes per token</small>"
+               if split else ""))
 
     def prompt_ids(self) -> list[int]:
         """The bundled text's first `context` tokens, then the prompt."""
@@ -255,28 +289,44 @@ class CompareApp:
             except ValueError as exc:  # a width this scheme does not take: say so, run the others
                 problems.append(html.escape(str(exc)))
         ids = self.prompt_ids()
-        self.live = LiveCompare(self.model, self.tokenizer, ids, specs, max_tokens=self.max_tokens.value)
+        self.live = LiveCompare(self.model, self.tokenizer, ids, specs, max_tokens=self.max_tokens.value,
+                                temperature=self.temperature.value, seed=self.seed.value)
         boxes = [W.HTML(layout={"flex": "1 1 0", "min_width": "0", "padding": "0 6px",
                                 "border_left": "3px solid " + scheme_color(c.label)}) for c in self.live.columns]
         for box in boxes:
             box.add_class("gmlx-column")  # for the browser test
         self.columns.children = boxes
+        self.stats.value = "<small><i>the table and the equal-memory figure appear when this run ends</i></small>"
+        self.summary.clear_output()  # nothing of the previous run stays on screen
+        self.strip.clear_output()
+        self.figure = None
         self.run.disabled, self.run.description, self.run.icon = True, "Generating…", "spinner"
         self.progress.max, self.progress.value = self.live.max_tokens, 0
         skipped = f"<br><span style='color:#c00'>skipped: {'; '.join(problems)}</span>" if problems else ""
+        how = f"<br><small>{html.escape(self.live.sampling)}</small>"
+        model = html.escape(getattr(self.model, "gmlx_name", "the model"))
+        start = time.perf_counter()
         try:
+            for col in self.live.prefill():
+                self.status.value = (f"<b>reading the prompt</b> ({len(ids)} tokens, {model}) into each cache: "
+                                     f"{html.escape(col.label)} done{skipped}")
             for step in self.live.stream():
                 self.progress.value = step
                 self.status.value = (f"<b>generating</b> token {step} of {self.live.max_tokens} · context "
-                                     f"{self.live.context} tokens ({len(ids)} prompt + generated){skipped}")
+                                     f"{self.live.context} tokens ({len(ids)} prompt + generated) · "
+                                     f"{model}{how}{skipped}")
                 self._draw_columns(boxes)
         finally:
             self.run.disabled, self.run.description, self.run.icon = False, "Generate", "play"
-        self.status.value = (f"done: {min(len(c.tokens) for c in self.live.columns)}+ tokens per column · context "
-                             f"{self.live.context} tokens = {len(ids)} prompt ({self.context.value} of the bundled "
-                             f"text + your prompt) + the generated ones{skipped}")
+        seconds = time.perf_counter() - start
+        self.status.value = (f"done: {min(len(c.tokens) for c in self.live.columns)}+ tokens per column in "
+                             f"{seconds:.0f} s (prompt included) · context {self.live.context} tokens = {len(ids)} "
+                             f"prompt ({self.context.value} of the bundled text + your prompt) + the generated ones · "
+                             f"{model}{how}{skipped}")
         self._draw_columns(boxes)
         self._draw_stats()
+        with self.summary:
+            display(Say(self.live.summary()))
 
     def _draw_columns(self, boxes: list[W.HTML]) -> None:
         ref = self.live.columns[0]
@@ -290,33 +340,35 @@ class CompareApp:
 
     def _draw_stats(self) -> None:
         points = self.live.points()
-        head = ("scheme", "cache", "% of fp16", "KiB / token", "median KL (nats)", "tokens/s")
+        ref = self.live.columns[0]
+        head = ("scheme", "cache", "% of fp16", "KiB / token", "median KL (nats)", "text as fp16's until token")
         rows = []
-        for c, p in zip(self.live.columns, points):
+        for c, p in sorted(zip(self.live.columns, points), key=lambda cp: cp[1].bytes_per_token):
+            parted = kv_inspect.first_divergence(ref.tokens, c.tokens)
             rows.append((c.label, figures.bytes_label(p.bytes_per_token * p.context), f"{100 * p.share_of_fp16:.0f}%",
                          f"{p.bytes_per_token / 1024:.2f}", "0 (reference)" if c.reference else f"{p.kl:.1e}",
-                         f"{c.tokens_per_s:.1f}"))
+                         "-" if c.reference else ("the end" if parted is None else str(parted))))
         cell = "<td style='padding:0 12px'>{}</td>"
         self.stats.value = ("<table><tr>" + "".join(f"<th style='padding:0 12px'>{h}</th>" for h in head) + "</tr>"
                             + "".join("<tr>" + "".join(cell.format(html.escape(str(x))) for x in r) + "</tr>"
                                       for r in rows) + "</table>"
-                            "<small>cache: resident bytes of the whole cache at the end (growth reserve excluded); "
-                            "tokens/s: this column's decode speed while all columns ran in turn</small>")
-        fresh = tradeoff_viz.tradeoff_figure(points, height=300, title=(
+                            "<small>sorted by memory; cache: resident bytes of the whole cache at the end (growth "
+                            "reserve excluded). At equal width the caches differ in size: the figure places each "
+                            "at its bytes per token, so compare schemes at equal memory across it. No speed is shown: "
+                            "the columns take turns on one machine, so their tokens/s would not compare fairly."
+                            "</small>")
+        self.figure = tradeoff_viz.tradeoff_figure(points, height=320, title=(
             f"equal memory at {points[0].context} tokens: KL against cache size"))
-        with self.strip.batch_update():
-            self.strip.data = []
-            for trace in fresh.data:
-                self.strip.add_trace(trace)
-            self.strip.layout = fresh.layout
+        with self.strip:
+            display(self.figure)
 
     def widget(self) -> W.Widget:
-        box = W.VBox([self.prompt, W.HBox([self.context, self.max_tokens]),
+        box = W.VBox([self.prompt, W.HBox([self.context, self.max_tokens, self.temperature, self.seed]),
                       W.HBox([W.Label("schemes beside fp16:", layout={"margin": "0 12px 0 0"}),
                               *self.schemes.values()]),
-                      W.HBox([self.k_bits, self.v_bits, self.tail]), self.applies,
-                      W.HBox([self.run, self.progress]), self.status, self.legend, self.columns, self.stats,
-                      self.strip])
+                      W.HBox([self.k_bits, self.linked, self.v_bits, self.tail]), self.applies,
+                      W.HBox([self.run, self.progress]), self.status, self.legend, self.columns, self.summary,
+                      self.stats, self.strip])
         box.add_class("gmlx-compare")
         return box
 

@@ -8,6 +8,7 @@ gmlx_lab.experiments; the figures gmlx_lab.viz.
 from __future__ import annotations
 
 import html
+import time
 from typing import Any
 
 import ipywidgets as W
@@ -17,6 +18,7 @@ from ..kv_inspect import eval_tokens
 from ..measure import experiments
 from ..registry import SCHEMES, get_scheme
 from ..viz import figures
+from ..viz.say import Say
 
 __all__ = ["DraftApp", "PasskeyApp", "SchemePicker", "WeightsApp", "draft_app", "passkey_app", "weights_app"]
 
@@ -63,10 +65,11 @@ class _App:
 
     def update(self) -> None:
         self.status.value = "<i>running ...</i>"
+        start = time.perf_counter()
         with self.out:
             self.out.clear_output(wait=True)
             self.run()
-        self.status.value = ""
+        self.status.value = f"<small>ran in {time.perf_counter() - start:.0f} s</small>"
 
     def run(self) -> None:
         raise NotImplementedError
@@ -110,14 +113,14 @@ class PasskeyApp(_App):
 class DraftApp(_App):
     """Speculative decoding with a layer-skipping draft: acceptance under fp16 and under the chosen target cache."""
 
-    def __init__(self, model: Any, tokenizer: Any, context: int = 256, draft_layers: int = 4, max_tokens: int = 32,
-                 scheme: str = "kvarn", width: int = 2, tail: int = 0):
+    def __init__(self, model: Any, tokenizer: Any, context: int = 256, draft_layers: int | None = None,
+                 max_tokens: int = 32, scheme: str = "affine", width: int = 2, tail: int = 0):
         self.model, self.tokenizer, self.max_tokens = model, tokenizer, max_tokens
         self.picker = SchemePicker(scheme, width, tail)
         self.context = W.IntSlider(value=context, min=64, max=2048, step=64, description="context",
                                    continuous_update=False)
-        self.layers = W.IntSlider(value=draft_layers, min=1, max=len(model.layers), description="draft layers",
-                                  continuous_update=False)
+        self.layers = W.IntSlider(value=draft_layers or len(model.layers), min=1, max=len(model.layers),
+                                  description="draft layers", continuous_update=False)
         self.result: experiments.DraftResult | None = None
         super().__init__([*self.picker.widgets(), W.HBox([self.context, self.layers])])
 
@@ -127,6 +130,24 @@ class DraftApp(_App):
         self.result = experiments.draft_acceptance(self.model, self.tokenizer, draft, ["fp16", self.picker.spec],
                                                    [prompt], max_tokens=self.max_tokens)
         display(figures.draft_figure(self.result))
+        display(Say(draft_sentence(self.result, self.layers.value, len(self.model.layers))))
+
+
+def draft_sentence(result: experiments.DraftResult, draft_layers: int, layers: int) -> str:
+    """What a draft run shows, from its numbers: the quantized target's acceptance against fp16's, and whether
+    the cache or the draft decides it (all layers: the draft is the target itself with an fp16 cache)."""
+    fp16, other = result.runs[0], result.runs[-1]
+    verdict = ("fewer" if other.acceptance < fp16.acceptance else "more" if other.acceptance > fp16.acceptance
+               else "as many")
+    text = (f"{other.label} accepted {verdict} drafted tokens than fp16: {100 * other.acceptance:.0f}% against "
+            f"{100 * fp16.acceptance:.0f}% ({other.tokens_per_step:.2f} against {fp16.tokens_per_step:.2f} tokens per "
+            "target pass). ")
+    if draft_layers == layers:
+        return text + ("With all layers the draft is the target itself with an fp16 cache, so every rejection is "
+                       "the quantized cache's doing.")
+    return text + (f"A {draft_layers}-layer draft is often wrong on its own, so acceptance here says how the cache "
+                   "changed the target's text as much as how close it stays to fp16; slide to all layers to see the "
+                   "cache alone.")
 
 
 class WeightsApp(_App):
