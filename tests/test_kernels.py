@@ -256,15 +256,20 @@ def test_kvarn_fused_matches_reference(case: tuple[int, ...]) -> None:
     assert _rel(out, ref) < 5e-3
 
 
+@pytest.fixture
+def merging_in_kernel() -> Iterator[None]:
+    """The setting merge_in_kernel on for one test, through config.configured (explicit: it beats the environment)."""
+    with config.configured(merge_in_kernel=True):
+        yield
+
+
 @gpu
 @pytest.mark.parametrize("scheme", ["kvarn", "affine_rot"])
-def test_merging_kernels_hand_their_counter_on(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_merging_kernels_hand_their_counter_on(scheme: str, merging_in_kernel: None) -> None:
     """With CUDA's source and merge_in_kernel the decode kernels merge their own splits, counting them in a counter
     each launch hands to the next (decode.SplitCounter): ten decode steps through one cache, each against the
     reference, then eight calls built before any is evaluated (on a GPU, calls that shared one counter could run
     side by side and mix their tickets)."""
-    monkeypatch.setitem(config._explicit[0], "merge_in_kernel", True)
-    monkeypatch.setattr(config, "_resolved", None)
     kvarn = scheme == "kvarn"
     c = _kvarn_cache(128, 2, 6, 6, 128 + 4 * 128 + 60, 128, seed=3) if kvarn else \
         _affine_cache(4, 64, 128, 128 * 9 + 61, seed=3, rotate=True)

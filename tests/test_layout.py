@@ -151,7 +151,7 @@ def test_the_published_results_ship_with_the_package() -> None:
     root = PACKAGE.parent
     assert sources.RESULTS_DIR == PACKAGE / "data" / "results"
     assert sources.RESULTS_DIR.resolve() == root / "benchmarks" / "results"
-    line = re.search(r"^gmlx_lab = \[(.*)\]$", (root / "pyproject.toml").read_text(), re.M).group(1)
+    line = re.search(r"^gmlx_lab = \[(.*?)\]$", (root / "pyproject.toml").read_text(), re.M | re.S).group(1)
     patterns = re.findall(r'"([^"]+)"', line)
     files = sorted(sources.RESULTS_DIR.glob("*.json"))
     assert files and set(sources.benchmark_results()) == {f.name for f in files}

@@ -68,4 +68,4 @@ step "start: every notebook, peak memory of its kernel"
 mkdir -p "$ROOT/benchmarks/results"
 commit="$(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" status --porcelain | grep -q . && echo ' with uncommitted changes' || true)"
 (cd "$REPO" && bash binder/start python tools/binder_memory.py --notebooks notebooks --commit "$commit" \
-  --out "$ROOT/benchmarks/results/binder-memory-$(uname -m)-$(nproc)cpu.json")
+  --out "$ROOT/benchmarks/results/binder-memory-cpu.json")

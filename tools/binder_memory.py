@@ -1,6 +1,6 @@
 """Peak memory of every notebook, each in a fresh kernel, against mybinder.org's 2 GB; run by tools/binder_check.sh.
 
-    python tools/binder_memory.py --notebooks notebooks --out benchmarks/results/binder-memory-x86_64-2cpu.json
+    python tools/binder_memory.py --notebooks notebooks --out benchmarks/results/binder-memory-cpu.json
 
 Each notebook runs top to bottom (gmlx_lab.book.run.execute, in file order, so the first notebook that loads
 Gemma 3 270M also converts it, as on a new Binder) while its kernel's resident memory, the kernel and any child
