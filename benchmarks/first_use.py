@@ -9,7 +9,9 @@ process), prefills `--context` random tokens in 2048-token chunks and decodes `-
 each part (seconds, evaluation included). Each scheme runs twice, each time in a new process: `cold` with an empty
 MLX_PTX_CACHE_DIR (where MLX keeps the CUDA kernels it compiled, by name), `warm` with the same folder again,
 so the difference is what compiling costs. `adds_s` is a scheme's cold total minus gmlx fp16's cold total in the
-same run: what choosing the scheme adds to a first run.
+same run: what choosing the scheme adds to a first run. `compiled` lists the gmlx kernels the cold run compiled
+(MLX's name: kernel, text hash, template constants) with what NVRTC takes to compile each again alone
+(`--headers`: MLX's device headers, as stall_sample.py takes them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,9 +66,26 @@ def child(scheme: str, layers: int, context: int, tokens: int) -> dict[str, Any]
     out["first_token_s"] = steps[0]
     out["later_token_s"] = statistics.median(steps[1:])
     out["total_s"] = out["make_cache_s"] + out["prefill_s"] + sum(steps)
-    report = selfcheck.report()
-    out["self_checks"] = {r.kernel: round(r.seconds, 3) for r in report or [] if r.seconds}
+    out["self_checks"] = {r.kernel: round(r.seconds, 3) for r in selfcheck.results().values()}
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def compile_times(folder: str, headers: str | None, env: dict[str, str]) -> list[dict[str, Any]]:
+    """The gmlx kernels a cold run compiled (MLX keeps each one's text as <name>.cu) and, with `headers`, the
+    seconds NVRTC takes to compile each alone (stall_sample.rebuild, on a copy of the folder)."""
+    names = sorted(p.stem for p in Path(folder).glob("*.cu") if "gmlx" in p.stem)
+    if not headers:
+        return [{"module": n} for n in names]
+    copy = tempfile.mkdtemp(prefix="ptx-copy-")
+    shutil.copytree(folder, copy, dirs_exist_ok=True)
+    res = subprocess.run([sys.executable, "-c", "import json, sys; from pathlib import Path; from stall_sample import "
+                          f"rebuild; print(json.dumps(rebuild(Path({copy!r}), Path({headers!r}), lineinfo=False)))"],
+                         capture_output=True, text=True, env=env)
+    try:
+        return [{k: r[k] for k in ("module", "compile_s", "error") if k in r}
+                for r in json.loads(res.stdout.strip().splitlines()[-1])]
+    except (IndexError, json.JSONDecodeError):
+        return [{"module": n, "error": res.stderr[-300:]} for n in names]
 
 
 def main() -> None:
@@ -76,6 +96,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=9)
     ap.add_argument("--out", default="benchmarks/results/first_use-h200.json")
+    ap.add_argument("--headers", default=None, help="MLX's device headers: time each compiled kernel alone")
+    ap.add_argument("--note", default="")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.layers, args.context, args.tokens)))
@@ -94,6 +116,7 @@ def main() -> None:
             except (IndexError, json.JSONDecodeError):
                 row[run] = {"error": (res.stdout[-500:] + res.stderr[-1500:]).strip()}
         row["compile_s"] = round(row["cold"].get("total_s", 0) - row["warm"].get("total_s", 0), 3)
+        row["compiled"] = compile_times(folder, args.headers, env)
         rows.append(row)
         print(scheme, json.dumps(row), flush=True)
     base = next((r["cold"].get("total_s") for r in rows if r["scheme"] == "fp16"), None)
@@ -103,7 +126,7 @@ def main() -> None:
     import mlx.core as mx
     result = {"mlx": mx.__version__, "commit": os.environ.get("GMLX_COMMIT", "unknown"),
               "device": str(mx.device_info().get("device_name", "")) if hasattr(mx, "device_info") else "",
-              "layers": args.layers, "context": args.context, "tokens": args.tokens,
+              "layers": args.layers, "context": args.context, "tokens": args.tokens, "note": args.note,
               "method": " ".join(__doc__.split("\n\n")[1].split()), "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for r in rows:
