@@ -191,11 +191,11 @@ def source_line(act: Any, pc: int, folder: Path | None) -> tuple[str, int, str] 
     """(file, line, text) of the source line an instruction came from, where the binary has line info."""
     try:
         info = act.source_info(pc)
-    except Exception:  # noqa: BLE001
+        name, line = Path(info.file_name()).name, int(info.line())
+    except Exception:  # noqa: BLE001  (no line info: MLX's own kernels)
         return None
-    if info is None or not info.line():
+    if not line:
         return None
-    name, line = Path(info.file_name()).name, int(info.line())
     text = ""
     if folder is not None and (folder / name).exists():
         lines = (folder / name).read_text().splitlines()
