@@ -7,11 +7,11 @@ For each scheme a child process builds an mlx-lm `llama` with Llama-3-8B's layer
 (random float16 weights), makes the scheme's cache (which self-checks the fused kernels it uses, once per
 process), prefills `--context` random tokens in 2048-token chunks and decodes `--tokens` greedy tokens; it times
 each part (seconds, evaluation included). Each scheme runs twice, each time in a new process: `cold` with an empty
-MLX_PTX_CACHE_DIR (where MLX keeps the CUDA kernels it compiled, by name), `warm` with the same folder again,
-so the difference is what compiling costs. `adds_s` is a scheme's cold total minus gmlx fp16's cold total in the
-same run: what choosing the scheme adds to a first run. `compiled` lists the gmlx kernels the cold run compiled
-(MLX's name: kernel, text hash, template constants) with what NVRTC takes to compile each again alone
-(`--headers`: MLX's device headers, as stall_sample.py takes them).
+MLX_PTX_CACHE_DIR (where MLX keeps the CUDA kernels of its own it compiled, by name), `warm` with the same folder
+again. MLX 0.32 keeps custom kernels (gmlx's) in memory only, so `warm` still compiles every gmlx kernel: the
+cold-warm difference is MLX's own kernels, and a scheme's warm total over fp16's is what gmlx's kernels cost in
+every fresh process. `adds_s` is a scheme's cold total minus gmlx fp16's cold total in the
+same run: what choosing the scheme adds to a first run.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -70,22 +69,22 @@ def child(scheme: str, layers: int, context: int, tokens: int) -> dict[str, Any]
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def compile_times(folder: str, headers: str | None, env: dict[str, str]) -> list[dict[str, Any]]:
-    """The gmlx kernels a cold run compiled (MLX keeps each one's text as <name>.cu) and, with `headers`, the
-    seconds NVRTC takes to compile each alone (stall_sample.rebuild, on a copy of the folder)."""
-    names = sorted(p.stem for p in Path(folder).glob("*.cu") if "gmlx" in p.stem)
-    if not headers:
-        return [{"module": n} for n in names]
-    copy = tempfile.mkdtemp(prefix="ptx-copy-")
-    shutil.copytree(folder, copy, dirs_exist_ok=True)
-    res = subprocess.run([sys.executable, "-c", "import json, sys; from pathlib import Path; from stall_sample import "
-                          f"rebuild; print(json.dumps(rebuild(Path({copy!r}), Path({headers!r}), lineinfo=False)))"],
-                         capture_output=True, text=True, env=env)
-    try:
-        return [{k: r[k] for k in ("module", "compile_s", "error") if k in r}
-                for r in json.loads(res.stdout.strip().splitlines()[-1])]
-    except (IndexError, json.JSONDecodeError):
-        return [{"module": n, "error": res.stderr[-300:]} for n in names]
+def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The JSON, after every scheme (a call's time limit loses only the schemes after it)."""
+    import mlx.core as mx
+    base = next((r["cold"].get("total_s") for r in rows if r["scheme"] == "fp16"), None)
+    for r in rows:
+        if base is not None and "total_s" in r["cold"]:
+            r["adds_s"] = round(r["cold"]["total_s"] - base, 3)
+    warm = next((r["warm"].get("total_s") for r in rows if r["scheme"] == "fp16"), None)
+    for r in rows:
+        if warm is not None and "total_s" in r["warm"]:
+            r["adds_warm_s"] = round(r["warm"]["total_s"] - warm, 3)
+    result = {"mlx": mx.__version__, "commit": os.environ.get("GMLX_COMMIT", "unknown"),
+              "device": str(mx.device_info().get("device_name", "")) if hasattr(mx, "device_info") else "",
+              "layers": args.layers, "context": args.context, "tokens": args.tokens, "note": args.note,
+              "method": " ".join(__doc__.split("\n\n")[1].split()), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 def main() -> None:
@@ -96,7 +95,6 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=9)
     ap.add_argument("--out", default="benchmarks/results/first_use-h200.json")
-    ap.add_argument("--headers", default=None, help="MLX's device headers: time each compiled kernel alone")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
     if args.child:
@@ -116,19 +114,10 @@ def main() -> None:
             except (IndexError, json.JSONDecodeError):
                 row[run] = {"error": (res.stdout[-500:] + res.stderr[-1500:]).strip()}
         row["compile_s"] = round(row["cold"].get("total_s", 0) - row["warm"].get("total_s", 0), 3)
-        row["compiled"] = compile_times(folder, args.headers, env)
         rows.append(row)
         print(scheme, json.dumps(row), flush=True)
-    base = next((r["cold"].get("total_s") for r in rows if r["scheme"] == "fp16"), None)
-    for r in rows:
-        if base is not None and "total_s" in r["cold"]:
-            r["adds_s"] = round(r["cold"]["total_s"] - base, 3)
-    import mlx.core as mx
-    result = {"mlx": mx.__version__, "commit": os.environ.get("GMLX_COMMIT", "unknown"),
-              "device": str(mx.device_info().get("device_name", "")) if hasattr(mx, "device_info") else "",
-              "layers": args.layers, "context": args.context, "tokens": args.tokens, "note": args.note,
-              "method": " ".join(__doc__.split("\n\n")[1].split()), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write(args, rows)
+    write(args, rows)
     for r in rows:
         print(f"{r['scheme']:8s} cold {r['cold'].get('total_s', '-')} s, warm {r['warm'].get('total_s', '-')} s, "
               f"compile {r['compile_s']} s, adds {r.get('adds_s', '-')} s")

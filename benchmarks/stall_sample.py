@@ -11,13 +11,9 @@ WarpStateStats and SourceCounters (PC sampling at ncu's automatic interval),
 leaving the clocks as they are. The report is read with ncu's Python interface (or, failing that, its CSV pages):
 per kernel the duration, the samples by stall reason, and the instructions with the most samples, each with its
 SASS text and its samples by reason; `by_opcode` sums them per opcode (LOP3, SHF, HMMA, LDS, ...).
-Per source line (`lines`): MLX compiles a custom kernel with NVRTC without line info and keeps the binary in
-MLX_PTX_CACHE_DIR by the kernel's name, beside the full text it compiled (<name>.cu). So each case first runs
-once outside ncu with a cache folder of its own; then `--rebuild` compiles each gmlx kernel's text again with
-NVRTC (the library MLX loaded, MLX's options, MLX's device headers as MLX embeds them) plus -lineinfo and puts
-the binary in place of MLX's; the profiled run loads it, and each sampled instruction's line is read from it
-(ncu's source correlation). `rebuilds` says per kernel whether both binaries have the same SASS instruction
-count. MLX's own kernels (SDPA) have no line info: their rows stay per instruction.
+Every sampled instruction (address, SASS text, samples) also goes to <reports>/<impl>-<context>-<kernel>.pcs.json:
+MLX 0.32 compiles custom kernels without line info and keeps them in memory only, so the lines come from
+`stall_lines.py`, which maps these addresses onto a build of the same kernel text with line info.
 A sample names what kept its warp from issuing in that cycle ("selected": it issued). The reasons, briefly:
 long_scoreboard (waits on a global/local memory result), short_scoreboard (shared memory, MUFU, shuffles),
 wait (a fixed-latency dependency), math_pipe_throttle (the pipe is busy), mio_throttle / lg_throttle
@@ -80,83 +76,6 @@ def child(impl: str, tokens: int, warm: int) -> None:
         cuda.cuProfilerStop()
 
 
-MLX_HEADERS = ("atomic_ops.cuh", "binary_ops.cuh", "cast_op.cuh", "config.h", "complex.cuh", "fp16_math.cuh",
-               "indexing.cuh", "scatter_ops.cuh", "unary_ops.cuh", "ternary_ops.cuh", "utils.cuh")
-
-
-def sass_count(cubin: Path) -> int:
-    """How many SASS instructions cuobjdump lists in a cubin (-1 without cuobjdump)."""
-    res = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True)
-    return len(re.findall(r"/\*[0-9a-f]{4,}\*/ ", res.stdout)) if res.returncode == 0 else -1
-
-
-def rebuild(folder: Path, headers: Path, lineinfo: bool = True) -> list[dict[str, Any]]:
-    """Compile each gmlx kernel text MLX left in `folder` again with -lineinfo, in place of MLX's binary
-    (`lineinfo` False: MLX's own options, to time each compile).
-
-    MLX (0.32.4, jit_module.cpp) compiles with --gpu-architecture=sm_XY, CCCL's and CUDA's include folders and
-    its device headers given by name; the same here, through the libnvrtc MLX loaded."""
-    import mlx
-    import mlx.core as mx  # loads MLX's libnvrtc, which the soname below then finds
-
-    mx.eval(mx.zeros(1))
-    nvrtc = ctypes.CDLL("libnvrtc.so.13")
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    cuda, device, cc = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(), [ctypes.c_int(), ctypes.c_int()]
-    cuda.cuInit(0)
-    cuda.cuDeviceGet(ctypes.byref(device), 0)
-    for attribute, value in zip((75, 76), cc):  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, _MINOR
-        cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, device)
-    arch = f"sm_{cc[0].value}{cc[1].value}"
-    cccl = Path(mlx.__path__[0]) / "include" / "cccl"
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    names = [f"mlx/backend/cuda/device/{h}".encode() for h in MLX_HEADERS]
-    texts = [(headers / h).read_bytes() for h in MLX_HEADERS]
-    done = []
-    for cu in sorted(folder.glob("*.cu")):
-        module, orig = cu.stem, cu.with_suffix(".orig.cubin")
-        if "gmlx" not in module or orig.exists():
-            continue
-        kernels = [line.split("\t") for line in cu.with_suffix(".txt").read_text().splitlines() if "\t" in line]
-        prog = ctypes.c_void_p()
-        hdr_texts = (ctypes.c_char_p * len(texts))(*texts)
-        hdr_names = (ctypes.c_char_p * len(names))(*names)
-        nvrtc.nvrtcCreateProgram(ctypes.byref(prog), cu.read_bytes(), f"{module}.cu".encode(), len(texts),
-                                 hdr_texts, hdr_names)
-        for name, _ in kernels:
-            nvrtc.nvrtcAddNameExpression(prog, name.encode())
-        opts = [f"--gpu-architecture={arch}", f"--include-path={cccl}", f"--include-path={cuda_home}/include",
-                *(["-lineinfo"] if lineinfo else [])]
-        t0 = time.perf_counter()
-        rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
-        row: dict[str, Any] = {"module": module, "nvrtc": f"{major.value}.{minor.value}", "options": opts,
-                               "compile_s": round(time.perf_counter() - t0, 3)}
-        if rc:
-            size = ctypes.c_size_t()
-            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value + 1)
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            row["error"] = f"nvrtc {rc}: {log.value.decode(errors='replace')[-1500:]}"
-            done.append(row)
-            continue
-        lowered = ctypes.c_char_p()
-        same = True
-        for name, mangled in kernels:
-            nvrtc.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered))
-            same &= (lowered.value or b"").decode() == mangled
-        size = ctypes.c_size_t()
-        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-        binary = cu.with_suffix(".ptx")  # MLX's name for the binary it keeps, PTX or cubin
-        binary.rename(orig)
-        binary.write_bytes(cubin.raw)
-        row.update(names_match=same, sass_before=sass_count(orig), sass_lineinfo=sass_count(binary))
-        done.append(row)
-    return done
-
-
 def ncu_binary() -> str:
     found = [p for p in ("ncu", *sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))) if
              subprocess.run(["which", p], capture_output=True).returncode == 0 or Path(p).exists()]
@@ -187,46 +106,9 @@ def opcode(sass: str) -> str:
     return words[0].split(".")[0] if words else "?"
 
 
-def source_line(act: Any, pc: int, folder: Path | None) -> tuple[str, int, str] | None:
-    """(file, line, text) of the source line an instruction came from, where the binary has line info."""
-    try:
-        info = act.source_info(pc)
-        name, line = Path(info.file_name()).name, int(info.line())
-    except Exception:  # noqa: BLE001  (no line info: MLX's own kernels)
-        return None
-    if not line:
-        return None
-    text = ""
-    if folder is not None and (folder / name).exists():
-        lines = (folder / name).read_text().splitlines()
-        text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
-    return name, line, text
-
-
-def by_line(rows: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
-    """The instructions' samples summed per source line, most samples first."""
-    lines: dict[tuple[str, int], dict[str, Any]] = {}
-    for x in rows:
-        if x.get("line") is None:
-            continue
-        key = (x["file"], x["line"])
-        entry = lines.setdefault(key, {"file": x["file"], "line": x["line"], "text": x["text"], "samples": 0.0,
-                                       "instructions": 0, "reasons": defaultdict(float), "opcodes": defaultdict(float)})
-        entry["samples"] += x["samples"]
-        entry["instructions"] += 1
-        entry["opcodes"][opcode(x["sass"])] += x["samples"]
-        for reason, value in x["reasons"].items():
-            entry["reasons"][reason] += value
-    out = sorted(lines.values(), key=lambda e: -e["samples"])[:top]
-    for e in out:
-        e["reasons"] = dict(sorted(e["reasons"].items(), key=lambda kv: -kv[1])[:6])
-        e["opcodes"] = dict(sorted(e["opcodes"].items(), key=lambda kv: -kv[1])[:6])
-    return out
-
-
-def read_report(module: Any, path: Path, top: int, folder: Path | None = None) -> list[dict[str, Any]]:
-    """Per kernel of the report: duration, samples by reason, the top instructions, samples by opcode, and
-    (where the binary has line info) by source line."""
+def read_report(module: Any, path: Path, top: int) -> list[dict[str, Any]]:
+    """Per kernel of the report: duration, samples by reason, the top instructions, samples by opcode, and every
+    sampled instruction (`all_instructions`)."""
     ctx = module.load_report(str(path))
     kernels = []
     for r in range(ctx.num_ranges()):
@@ -264,15 +146,9 @@ def read_report(module: Any, path: Path, top: int, folder: Path | None = None) -
                     sass = act.sass_by_pc(pc)
                 except Exception:  # noqa: BLE001
                     sass = "?"
-                row_pc: dict[str, Any] = {"pc": pc, "sass": sass, "samples": sum(reasons.values()),
-                                          "reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1]))}
-                where = source_line(act, pc, folder)
-                if where:
-                    row_pc.update(file=where[0], line=where[1], text=where[2])
-                rows.append(row_pc)
+                rows.append({"pc": pc, "sass": sass, "samples": sum(reasons.values()),
+                             "reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1]))})
             rows.sort(key=lambda x: -x["samples"])
-            row["lines"] = by_line(rows, top)
-            row["lines_sampled"] = len({(x["file"], x["line"]) for x in rows if "line" in x})
             by_op: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
             for x in rows:
                 for reason, value in x["reasons"].items():
@@ -315,10 +191,7 @@ def csv_summary(text: str, top: int) -> list[dict[str, str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", nargs=2, metavar=("IMPL", "TOKENS"), help=argparse.SUPPRESS)
-    ap.add_argument("--rebuild", nargs=2, metavar=("FOLDER", "HEADERS"), help=argparse.SUPPRESS)
-    ap.add_argument("--read", nargs=3, metavar=("REPORT", "FOLDER", "JSON"), help=argparse.SUPPRESS)
-    ap.add_argument("--headers", default=None, help="MLX's device headers (mlx/backend/cuda/device/*.cuh as "
-                    "libmlx embeds them); without it no line info")
+    ap.add_argument("--read", nargs=2, metavar=("REPORT", "JSON"), help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="fused_kvarn6,fused_kvarn4,fp16_sdpa")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--warm", type=int, default=5)
@@ -330,37 +203,20 @@ def main() -> None:
     if args.child:
         child(args.child[0], int(args.child[1]), args.warm)
         return
-    if args.rebuild:
-        print(json.dumps(rebuild(Path(args.rebuild[0]), Path(args.rebuild[1]))))
-        return
     ncu = ncu_binary()
     module = report_module(ncu)
     if args.read:
-        report, folder, out = args.read
-        Path(out).write_text(json.dumps(read_report(module, Path(report), args.top, Path(folder))))
+        report, out = args.read
+        Path(out).write_text(json.dumps(read_report(module, Path(report), args.top)))
         return
     Path(args.reports).mkdir(parents=True, exist_ok=True)
-    folder = Path(args.reports) / "ptx"  # MLX_PTX_CACHE_DIR of every run here: the binaries with line info
-    folder.mkdir(exist_ok=True)
-    env = {**os.environ, "MLX_PTX_CACHE_DIR": str(folder),
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     me = [sys.executable, str(Path(__file__).resolve())]
     cases = []
     for tokens in map(int, args.contexts.split(",")):
         for impl in args.impls.split(","):
             rep = Path(args.reports) / f"{impl}-{tokens}"
             case: dict[str, Any] = {"impl": impl, "context": tokens}
-            if args.headers:  # compile once outside ncu, then the gmlx kernels again with line info
-                pre = subprocess.run([*me, "--child", impl, str(tokens), "--warm", "1"], capture_output=True,
-                                     text=True, env=env)
-                if pre.returncode:
-                    case["precompile_error"] = pre.stderr[-1500:]
-                reb = subprocess.run([*me, "--rebuild", str(folder), args.headers], capture_output=True, text=True,
-                                     env=env)
-                try:
-                    case["rebuilds"] = json.loads(reb.stdout.strip().splitlines()[-1])
-                except (IndexError, json.JSONDecodeError):
-                    case["rebuild_error"] = (reb.stdout[-500:] + reb.stderr[-1500:]).strip()
             cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none",
                    "--section", "WarpStateStats",
                    "--section", "SourceCounters", "--section", "LaunchStats", "--section", "Occupancy",
@@ -377,7 +233,7 @@ def main() -> None:
                     if module is None:
                         raise RuntimeError("no ncu_report module")
                     out = rep.with_suffix(".json")
-                    rd = subprocess.run([*me, "--read", str(path), str(folder), str(out), "--top", str(args.top)],
+                    rd = subprocess.run([*me, "--read", str(path), str(out), "--top", str(args.top)],
                                         capture_output=True, text=True, env=env)
                     if rd.returncode or not out.exists():
                         raise RuntimeError(f"reader exit {rd.returncode}: {rd.stderr[-1500:]}")
