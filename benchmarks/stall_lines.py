@@ -141,6 +141,11 @@ def normal(sass: str) -> str:
     return " ".join(sass.split())
 
 
+def opcode(sass: str) -> str:
+    """The opcode of a SASS line ("@!P0 PRMT R1, ..." -> "PRMT")."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", normal(sass)).split(" ")[0].split(".")[0]
+
+
 def lines_of(kernel: dict[str, Any], pcs: list[dict[str, Any]], table: dict[int, tuple[str, list[int]]],
              text_lines: list[str], top: int) -> dict[str, Any]:
     """The kernel's samples per line of its body (`lines`: the outermost location, where inlined helpers are
@@ -164,7 +169,7 @@ def lines_of(kernel: dict[str, Any], pcs: list[dict[str, Any]], table: dict[int,
                                                 "via": defaultdict(float)})
             row["samples"] += p["samples"]
             row["instructions"] += 1
-            row["opcodes"][normal(p["sass"]).lstrip("@!PT0123456789 ").split(" ")[0].split(".")[0]] += p["samples"]
+            row["opcodes"][opcode(p["sass"])] += p["samples"]
             if key == "lines" and len(chain) > 1:
                 row["via"][f"L{chain[0]} {text(chain[0])[:60]}"] += p["samples"]
             for reason, value in reasons_of.get(p["pc"], {}).items():
