@@ -8,7 +8,7 @@ messages and the widgets list them in; a plug-in is one more module like these t
 
 from importlib import import_module
 
-BUILT_IN = ("fp16", "affine", "kvarn", "floatq", "kivi")
+BUILT_IN = ("fp16", "affine", "kvarn", "turboquant", "floatq", "kivi")
 
 for _name in BUILT_IN:
     import_module(f"{__name__}.{_name}")
