@@ -3,6 +3,7 @@
 The format is the pair (bits, group_size) that `mx.quantize` accepts for it (cache/floatq.py); specs may name it
 ("mxfp4", "nvfp4_rot", "mxfp8") or spell it out ("float4:g=16,rot=1"). The block base derives the byte formula,
 the policy rule and the audit.
+What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 The cache is `cache/kivi.py` on the block base, which derives the byte formula, the policy rule and the audit;
 this module names the options and the label. Notebook 09 builds its own `my_kivi` to teach the block base.
+What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ residual for K (Zandieh et al., arXiv 2504.19874). The cache is `cache/turboquan
 
 vLLM's presets in this lab's spec grammar: turboquant_k8v4 -> `turboquant:k8v4`, turboquant_4bit_nc ->
 `turboquant4`, turboquant_k3v4_nc (3.5 bits a value) -> `turboquant:k3v4`, turboquant_3bit_nc -> `turboquant3`.
+What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 """
 
 from __future__ import annotations
