@@ -125,11 +125,12 @@ def test_bad_input_is_refused_with_what_is_accepted(bundled, prompt) -> None:
 
 def test_app_streams_every_column_and_enables_only_the_controls_that_apply(bundled) -> None:
     model, tokenizer = bundled
-    every = widgets.compare(model, tokenizer, autorun=False)  # by default every registered scheme (plug-ins too)
-    assert list(every.schemes) == [n for n in gmlx_lab.SCHEMES if n != "fp16"] and every.live is None
+    every = widgets.compare(model, tokenizer, autorun=False)  # a box for every registered scheme (plug-ins too)
+    assert sorted(every.schemes) == sorted(n for n in gmlx_lab.SCHEMES if n != "fp16") and every.live is None
+    assert every.chosen() == list(widgets.COMPARE_DEFAULT)  # ticked: the lab's three; the rest one click away
     app = widgets.compare(model, tokenizer, context_tokens=160, max_tokens=5, tail=1024,
                           schemes=["affine", "affine_rot", "kvarn"])
-    assert [len(c.tokens) for c in app.live.columns] == [5] * (1 + len(app.schemes))
+    assert [len(c.tokens) for c in app.live.columns] == [5] * (1 + len(app.chosen()))
     assert len(app.columns.children) == len(app.live.columns) and not app.run.disabled
     assert "done: 5+ tokens per column" in app.status.value and "context 170 tokens" in app.status.value
     kvarn_box = app.columns.children[[c.scheme for c in app.live.columns].index("kvarn")].value
@@ -141,7 +142,7 @@ def test_app_streams_every_column_and_enables_only_the_controls_that_apply(bundl
     assert app.tail.disabled and app.v_bits.disabled and not app.k_bits.disabled
     assert "fp16 tail: no chosen scheme" in app.applies.value
     app.generate()
-    assert [c.scheme for c in app.live.columns] == ["fp16"] + [n for n in app.schemes if n != "kvarn"]
+    assert [c.scheme for c in app.live.columns] == ["fp16", "affine", "affine_rot"]
 
 
 def test_app_links_k_and_v_and_clears_the_previous_run(bundled) -> None:

@@ -165,6 +165,10 @@ def _holds_html(col: LiveColumn) -> str:
     return line
 
 
+# The columns compare opens with: the lab's own three; the field's schemes (notebook 11) are one tick away.
+COMPARE_DEFAULT = ("affine", "affine_rot", "kvarn")
+
+
 class CompareApp:
     """Live comparison: fp16 and each chosen scheme side by side, streamed token by token.
 
@@ -183,8 +187,8 @@ class CompareApp:
                  max_tokens: int = 64, schemes: Sequence[str] | None = None, bits: int = 4, tail: int = 128,
                  temperature: float = TEMPERATURE, seed: int = 0, autorun: bool = True):
         self.model, self.tokenizer = model, tokenizer
-        names = [n for n in SCHEMES if n != BASELINE] if schemes is None else [get_scheme(s).name for s in schemes]
-        names = [n for n in names if n != BASELINE]  # fp16 is always the first column: the reference
+        chosen = COMPARE_DEFAULT if schemes is None else tuple(get_scheme(s).name for s in schemes)
+        names = [n for n in chosen if n != BASELINE]  # fp16 is always the first column: the reference
         if not names:
             raise ValueError(f"compare needs at least one scheme besides fp16; registered: {', '.join(SCHEMES)}")
         self.prompt = W.Textarea(value=prompt, description="prompt", layout={"width": "60%"})
@@ -201,8 +205,10 @@ class CompareApp:
                                               "numbers", layout={"width": "220px"},
                                       style={"description_width": "initial"})
         self.seed = W.BoundedIntText(value=seed, min=0, max=2**31 - 1, description="seed", layout={"width": "160px"})
-        self.schemes = {n: W.Checkbox(value=True, description=n, indent=False, tooltip=get_scheme(n).summary,
-                                      layout={"width": "auto", "margin": "0 16px 0 0"}) for n in names}
+        # every registered scheme gets a box; the chosen ones start ticked (each column costs a generation)
+        self.schemes = {n: W.Checkbox(value=n in names, description=n, indent=False, tooltip=get_scheme(n).summary,
+                                      layout={"width": "auto", "margin": "0 16px 0 0"})
+                        for n in [*names, *(n for n in SCHEMES if n != BASELINE and n not in names)]}
         self.k_bits = W.Dropdown(options=WIDTHS, value=bits, description="K bits", layout={"width": "160px"})
         self.v_bits = W.Dropdown(options=WIDTHS, value=bits, description="V bits", layout={"width": "160px"})
         self.linked = W.ToggleButton(value=True, description="K = V", icon="link", layout={"width": "90px"},
