@@ -34,6 +34,15 @@ LOG_SCALE_CLIP = (-0.3, 10.0)
 IMBALANCE_EPS = 1e-8
 
 
+def head_dim_problem(head_dim: int, ext: int = 0) -> str | None:
+    """Why kvarn cannot store heads of `head_dim`, or None if it can: the one home of the head-dim rule (the cache,
+    the policy and the kernels ask it). `ext` (option head_dim_ext=1) also takes 64 and 96."""
+    if head_dim in KVARN_HEAD_DIMS or (ext and head_dim in KVARN_EXT_HEAD_DIMS):
+        return None
+    hint = " (head_dim_ext=1 takes 64/96)" if head_dim in KVARN_EXT_HEAD_DIMS else ""
+    return f"head_dim {head_dim}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}{hint}"
+
+
 def record_bytes(bits: int, channels: int = TILE, kind: str = "k") -> int:
     """Bytes of one record: 128 tokens x `channels` codes of `bits` bits plus three fp16 axis vectors, two along
     the tile's rows (K: channels, V: tokens) and one along its columns. gmlx's records have 128 channels:
