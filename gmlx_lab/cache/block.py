@@ -50,7 +50,7 @@ import numpy as np
 
 from .. import window
 from ..records import KV
-from ..registry import Scheme
+from ..registry import SCHEMES, Scheme
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
 
@@ -77,6 +77,13 @@ def block_regions(context: int, block_tokens: int, sink_tokens: int = 0, kv_tail
     recent -= body
     tail = min(recent, kv_tail_tokens)
     return {"sink": sink, "body": body, "live": recent - tail, "tail": tail}
+
+
+def check_geometry(name: str, value: Any, where: str) -> None:
+    """A block geometry value (GEOMETRY) that no Option checks: an int >= 1 for block_tokens, >= 0 otherwise."""
+    low = 1 if name == "block_tokens" else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where}: {name}={value!r}; accepted: an int >= {low}")
 
 
 def due_tokens(recent: int, newest: int, kv_tail_tokens: int, tail_before_update: bool) -> int:
@@ -124,11 +131,12 @@ class BlockCache(GmlxCache):
             if clashes(name):
                 raise ValueError(f"{type(self).__name__}: option name {name!r} clashes with a BlockCache attribute")
             setattr(self, name, value)
-        for name in GEOMETRY:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "block_tokens" else 0):
-                raise ValueError(f"{self.where()}: {name}={value!r}; accepted: an int >= "
-                                 f"{1 if name == 'block_tokens' else 0}")
+        scheme = SCHEMES.get(self.scheme)
+        if scheme is not None:  # the options' one check: the registered scheme's Options
+            scheme.check(self.where(), **options)
+        for name in GEOMETRY:  # geometry no Option covers: class attributes, or a class not registered yet
+            if scheme is None or name not in {opt.name for opt in scheme.options}:
+                check_geometry(name, getattr(self, name), self.where())
         self.options = dict(options)
         self.sink: KV | None = None  # K, V (B, H, <= sink_tokens, D) fp16
         self.body: KV | None = None  # K, V tuples of arrays (B, H, blocks, ...)

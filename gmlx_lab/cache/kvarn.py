@@ -47,7 +47,6 @@ from ..records import (
     encode_tokens,
     head_dim_problem,
 )
-from ..registry import get_scheme
 from .attention import grouped_attention, merge_partials
 from .base import array_bytes
 from .block import BlockCache
@@ -75,9 +74,7 @@ class KVarNCache(BlockCache):
         layer: int | None = None,
         head_dim_ext: int = 0,
     ):
-        get_scheme("kvarn").check("cache" if layer is None else f"layer {layer}", k_bits=k_bits, v_bits=v_bits,
-                                  kv_tail_tokens=kv_tail_tokens, norm_iters=norm_iters, head_dim_ext=head_dim_ext)
-        # head_dim_ext 1: also head dims 64 and 96 (records outside gmlx's format)
+        # the registered scheme's Options check these (BlockCache); head_dim_ext 1: also head dims 64 and 96
         super().__init__(layer, k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens, norm_iters=norm_iters,
                          head_dim_ext=head_dim_ext)
         self._prefix: tuple[Any, Any, KV] | None = None  # (body, sink, their decoded graph) for GPU decode steps
