@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from .regions import block_regions
+
 TILE = 128  # tokens per record, and channels per record slice
 KVARN_BITS = (2, 3, 4, 5, 6, 8)  # the code widths of a record
 KVARN_HEAD_DIMS = (128, 256, 512)  # gmlx's format: heads of whole 128-channel record slices
@@ -67,12 +69,7 @@ def region_tokens(context: int, kv_tail_tokens: int, newest: int = 1) -> dict[st
     after the group leaves the tail.
     "live" is the fp16 tokens between the body and the tail.
     """
-    sink = min(context, SINK_TOKENS)
-    recent = context - sink
-    sealed = max(0, recent - newest - kv_tail_tokens) // TILE * TILE
-    recent -= sealed
-    tail = min(recent, kv_tail_tokens)
-    return {"sink": sink, "body": sealed, "live": recent - tail, "tail": tail}
+    return block_regions(context, TILE, SINK_TOKENS, kv_tail_tokens, newest, tail_before_update=True)
 
 
 def words_per_row(bits: int, codes: int = TILE) -> int:

@@ -50,6 +50,7 @@ import numpy as np
 
 from .. import window
 from ..records import KV
+from ..regions import block_regions, due_tokens
 from ..registry import SCHEMES, Scheme
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
@@ -66,32 +67,11 @@ def clashes(name: str) -> bool:
     return name not in GEOMETRY and (name.startswith("_") or name in STATE or hasattr(BlockCache, name))
 
 
-def block_regions(context: int, block_tokens: int, sink_tokens: int = 0, kv_tail_tokens: int = 0,
-                  newest: int = 0, tail_before_update: bool = False) -> dict[str, int]:
-    """Tokens in each region of a block cache after `context` tokens, the last `newest` of them in one update
-    (not yet encoded unless the class encodes on arrival: then pass 0); `tail_before_update`: the class's rule
-    of that name (BlockCache)."""
-    sink = min(context, sink_tokens)
-    recent = context - sink
-    body = max(0, due_tokens(recent, newest, kv_tail_tokens, tail_before_update)) // block_tokens * block_tokens
-    recent -= body
-    tail = min(recent, kv_tail_tokens)
-    return {"sink": sink, "body": body, "live": recent - tail, "tail": tail}
-
-
 def check_geometry(name: str, value: Any, where: str) -> None:
     """A block geometry value (GEOMETRY) that no Option checks: an int >= 1 for block_tokens, >= 0 otherwise."""
     low = 1 if name == "block_tokens" else 0
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{where}: {name}={value!r}; accepted: an int >= {low}")
-
-
-def due_tokens(recent: int, newest: int, kv_tail_tokens: int, tail_before_update: bool) -> int:
-    """Recent tokens old enough to encode: older than the latest update (`newest` tokens) and out of the tail,
-    the tail counted after the update, or before it (`tail_before_update`, kvarn's rule)."""
-    if tail_before_update:
-        return recent - newest - kv_tail_tokens
-    return min(recent - newest, recent - kv_tail_tokens)
 
 
 class BlockCache(GmlxCache):
