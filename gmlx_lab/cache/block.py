@@ -34,9 +34,10 @@ token per update and is trimmed by up to num_draft - 1 tokens, which at tail 0 r
 A cache whose blocks are the shared rolling window's groups (128 tokens after a 128-token sink, kvarn's
 records) can be a rolling window (`set_window`, gmlx_lab/window.py): the oldest blocks leave whole.
 
-`encode` sees float32 blocks of the stored fp16 values (rotated first if the scheme rotates). It must treat
-the first two axes as batch: the base hands it several blocks at once as extra heads, and the shapes of what
-it returns must depend only on the block's shape (the byte formula encodes a block of zeros to count them).
+`encode` sees float32 blocks of the stored fp16 values, or what `rotate` makes of them (kvarn rotates in fp16,
+as its records were always sealed). It must treat the first two axes as batch: the base hands it several blocks
+at once as extra heads, and the shapes of what it returns must depend only on the block's shape (the byte
+formula encodes a block of zeros to count them).
 """
 
 from __future__ import annotations
