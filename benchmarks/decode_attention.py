@@ -112,7 +112,7 @@ def fused_kvarn_state(q: mx.array, k: mx.array, v: mx.array, scale: float, bits:
     c.seal()  # what the next token would seal: the steady state of a decode step
     c.attention_path = "fused"
     kk, vv = c.fetch(q.dtype, decode_step=True)  # (a graph the fused path never evaluates)
-    mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.body])
+    mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.records])
     return (lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"],
             {"records": c.n_records})
 

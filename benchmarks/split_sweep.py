@@ -66,7 +66,7 @@ def sweep_context(tokens: int, iters: int, repeats: int) -> list[dict]:
         c = KVarNCache(bits, bits, kv_tail_tokens=1024)
         c.update_and_fetch(k, v)
         c.seal()
-        mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.body])
+        mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.records])
         parts = c.parts()
         chosen = kvarn_plan(qg.shape[1], D, HKV, parts, 1, False).per
 

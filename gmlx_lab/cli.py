@@ -125,14 +125,14 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 def spec_policies(model: nn.Module, specs: list[str], args: argparse.Namespace) -> list[Any]:
     """The specs as they are (gmlx's rule), or as Policy objects with the command line's overrides."""
     from .policy import policy
-    from .specs import parse_scheme_spec
+    from .specs import read_scheme_spec
 
     given = overrides(args)
     if not given:
         return list(specs)
     chosen = []
     for spec in specs:
-        scheme, options = parse_scheme_spec(spec)
+        scheme, options = read_scheme_spec(spec)
         chosen.append(policy(model, scheme, **given, **options))
     return chosen
 
@@ -142,13 +142,13 @@ def spec_policies(model: nn.Module, specs: list[str], args: argparse.Namespace) 
 
 def cmd_policy(args: argparse.Namespace) -> int:
     from .policy import policy
-    from .specs import parse_scheme_spec
+    from .specs import read_scheme_spec
 
     specs = scheme_list(args.schemes)
     model, _ = load_model(args.model_name)
     reports = []
     for spec in specs:
-        scheme, options = parse_scheme_spec(spec)
+        scheme, options = read_scheme_spec(spec)
         chosen = policy(model, scheme, **overrides(args), **options)
         reports.append(chosen.as_dict())
         if args.json:
@@ -212,7 +212,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .kv_inspect import first_divergence, greedy
     from .measure.audit import audit
     from .policy import policy
-    from .specs import parse_scheme_spec
+    from .specs import read_scheme_spec
 
     specs = scheme_list(args.schemes)
     model, tokenizer = load_model(args.model)
@@ -229,7 +229,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     reference: list[int] | None = None
     rows = []
     for spec in specs:
-        scheme, options = parse_scheme_spec(spec)
+        scheme, options = read_scheme_spec(spec)
         chosen = policy(model, scheme, max_kv_size=args.max_kv_size, **overrides(args), **options)
         cache = chosen.make_cache()
         tokens, prefill_s, rate = greedy(model, prompt, cache, args.max_tokens)

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from .regions import block_regions
+
 TILE = 128  # tokens per record, and channels per record slice
 KVARN_BITS = (2, 3, 4, 5, 6, 8)  # the code widths of a record
 KVARN_HEAD_DIMS = (128, 256, 512)  # gmlx's format: heads of whole 128-channel record slices
@@ -32,6 +34,15 @@ AXIS_DTYPE = mx.float16
 STD_CLAMP = (1e-3, 1e3)
 LOG_SCALE_CLIP = (-0.3, 10.0)
 IMBALANCE_EPS = 1e-8
+
+
+def head_dim_problem(head_dim: int, ext: int = 0) -> str | None:
+    """Why kvarn cannot store heads of `head_dim`, or None if it can: the one home of the head-dim rule (the cache,
+    the policy and the kernels ask it). `ext` (option head_dim_ext=1) also takes 64 and 96."""
+    if head_dim in KVARN_HEAD_DIMS or (ext and head_dim in KVARN_EXT_HEAD_DIMS):
+        return None
+    hint = " (head_dim_ext=1 takes 64/96)" if head_dim in KVARN_EXT_HEAD_DIMS else ""
+    return f"head_dim {head_dim}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}{hint}"
 
 
 def record_bytes(bits: int, channels: int = TILE, kind: str = "k") -> int:
@@ -58,12 +69,7 @@ def region_tokens(context: int, kv_tail_tokens: int, newest: int = 1) -> dict[st
     after the group leaves the tail.
     "live" is the fp16 tokens between the body and the tail.
     """
-    sink = min(context, SINK_TOKENS)
-    recent = context - sink
-    sealed = max(0, recent - newest - kv_tail_tokens) // TILE * TILE
-    recent -= sealed
-    tail = min(recent, kv_tail_tokens)
-    return {"sink": sink, "body": sealed, "live": recent - tail, "tail": tail}
+    return block_regions(context, TILE, SINK_TOKENS, kv_tail_tokens, newest, tail_before_update=True)
 
 
 def words_per_row(bits: int, codes: int = TILE) -> int:

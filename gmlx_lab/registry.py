@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from .mlx_lm_hooks import register_cache_class, same_class
-from .records import KVARN_BITS, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS  # noqa: F401  (kvarn's format, records.py)
 
 BASELINE = "fp16"  # the scheme every policy falls back to, and the reference of fidelity and memory
 
@@ -154,11 +153,9 @@ class Scheme:
         return "growing attention"
 
     def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
-        """Refuse a rolling window (`max_kv_size`) this scheme's layers cannot roll; by default the shared rule
-        (gmlx_lab/window.py: the 128-token sink and whole groups of 128)."""
-        from .window import check
-
-        check(max_kv_size, None, where)
+        """Refuse a rolling window (`max_kv_size`) this scheme's layers cannot roll: the rule is its cache's
+        (`window_check`, e.g. the shared one of gmlx_lab/window.py), asked of a fresh cache."""
+        self.make_cache(options).window_check(max_kv_size, where)
 
     def token_region(self, position: int, tokens: int, newest: int, options: dict[str, Any]) -> str:
         """Where a cache of `tokens` tokens, whose latest update brought `newest`, holds the token at

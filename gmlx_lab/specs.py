@@ -14,7 +14,7 @@ import mlx.nn as nn
 from .policy import Policy, policy
 from .registry import SCHEMES, get_scheme, spec_prefixes
 
-__all__ = ["SchemeLike", "parse_scheme_spec", "scheme_label", "spec_policy"]
+__all__ = ["SchemeLike", "parse_scheme_spec", "read_scheme_spec", "scheme_label", "spec_policy"]
 
 _ALIASES = {"tail": "kv_tail_tokens", "g": "group_size", "group": "group_size", "iters": "norm_iters",
             "start": "quantized_kv_start", "k": "k_bits", "v": "v_bits", "ext": "head_dim_ext",
@@ -25,17 +25,24 @@ SchemeLike = str | tuple[str, dict[str, Any]] | Policy
 
 
 def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """Read "fp16", "affine4", "affine_rot4:g=32", "kvarn6:tail=128" or "kvarn:k8v4" into (scheme, options).
+    """Read "fp16", "affine4", "affine_rot4:g=32", "kvarn6:tail=128" or "kvarn:k8v4" into (scheme, options),
+    checked: the values by the scheme's options (`Scheme.resolve`), which raise a ValueError saying what is
+    accepted. A caller that makes a policy next (which checks them) reads the spec with `read_scheme_spec`."""
+    scheme, options = read_scheme_spec(text)
+    get_scheme(scheme).resolve(**options)
+    return scheme, options
+
+
+def read_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The spec's grammar alone: (scheme, options as written), the values not checked yet.
 
     The name is the longest registered scheme name (or a scheme's spec word, "mxfp4": `Scheme.spec_words`, which
     sets options) the spec starts with; a number after it is `bits`, "k8v4"
     sets `k_bits` and `v_bits` (schemes that have them), "key=value" any option (short names in _ALIASES).
-    Options are checked against the registry (gmlx_lab.registry.SCHEMES); anything it
-    does not accept raises a ValueError saying what is accepted.
     """
     if isinstance(text, tuple):
         scheme, options = text
-        get_scheme(scheme).resolve(**options)
+        get_scheme(scheme)
         return scheme, dict(options)
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"scheme spec must be a non-empty string such as 'kvarn6', got {text!r}")
@@ -70,7 +77,6 @@ def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict
                              "or options such as tail=128, g=64")
     if not names and options:
         raise ValueError(f"{text!r}: {name} takes no width or options")
-    spec.resolve(**options)  # raises a ValueError naming what is accepted
     return name, options
 
 
@@ -84,6 +90,6 @@ def spec_policy(model: nn.Module, item: SchemeLike) -> tuple[str, Policy]:
     """(spec text, policy) for a spec string, a (scheme, options) pair or a ready Policy."""
     if isinstance(item, Policy):
         return item.label, item
-    scheme, options = parse_scheme_spec(item)
-    spec = item if isinstance(item, str) else scheme_label(scheme, options)
-    return spec, policy(model, scheme, **options)
+    scheme, options = read_scheme_spec(item)
+    chosen = policy(model, scheme, **options)  # checks the options
+    return item if isinstance(item, str) else chosen.label, chosen

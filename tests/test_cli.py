@@ -142,3 +142,21 @@ def test_memory_and_fidelity_take_overrides(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["schemes"][0]["label"] == "affine8 g64 +last +sliding" and data["schemes"][0]["audit"]["ok"]
     assert data["schemes"][0]["quantized_layers"] == "12/12"
+
+
+def test_a_bad_option_value_gets_its_options_message_at_every_entry_point(capsys):
+    """A value has one check, its Option (gmlx_lab.registry): the command line, make_cache, the spec parser and
+    the cache's constructor all answer kv_tail_tokens=-1 with that Option's message."""
+    from conftest import tiny_llama
+
+    from gmlx_lab import make_cache, parse_scheme_spec
+    from gmlx_lab.cache import KVarNCache
+
+    want = "kvarn: kv_tail_tokens=-1 is not supported; accepted: an int >= 0"
+    assert cli.main(["policy", "llama", "--schemes", "kvarn6:tail=-1"]) == 2
+    assert capsys.readouterr().err.strip() == f"gmlx-lab: error: {want}"
+    for entry in (lambda: make_cache(tiny_llama(layers=2), "kvarn", kv_tail_tokens=-1, quiet=True),
+                  lambda: parse_scheme_spec("kvarn6:tail=-1"),
+                  lambda: KVarNCache(kv_tail_tokens=-1, layer=1)):
+        with pytest.raises(ValueError, match=want):
+            entry()

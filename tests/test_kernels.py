@@ -501,9 +501,9 @@ def test_unpack_kernel_gives_the_fetched_kv(case: int, dtype: mx.Dtype) -> None:
     c = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=case)
     c.attention_path = "reference"  # the pure-MLX fetch, also on a GPU
     want = c.fetch(dtype)
-    n = c.recent_tokens
+    n = c.recent_count
     assert (n == 0) == (case == 6)
-    for i, (sink, body, buf) in enumerate(zip(c.sink, c.body, c.recent)):
+    for i, (sink, body, buf) in enumerate(zip(c.sink, c.records, c.recent)):
         got = kvarn_tokens(sink, body, buf.data if n else None, n, dtype)
         assert got.dtype == dtype and got.shape == want[i].shape
         assert _rel(got, want[i]) < (1e-3 if dtype == mx.float16 else 1e-5)

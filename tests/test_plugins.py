@@ -211,7 +211,7 @@ def test_trim_deepcopy_and_errors():
     assert before_blocks.trim(3) == 3 and before_blocks.sink is None
     with pytest.raises(ValueError, match="layer 2: ToyCache cannot encode K blocks of head_dim 48"):
         toy(layer=2).update_and_fetch(*random_kv(5, dim=48))
-    with pytest.raises(ValueError, match="kv_tail_tokens=-1; accepted: an int >= 0"):
+    with pytest.raises(ValueError, match="toy: kv_tail_tokens=-1 is not supported; accepted: an int >= 0"):
         toy(kv_tail_tokens=-1)
     with pytest.raises(ValueError, match="option name 'offset' clashes"):
         toy(offset=3)

@@ -38,8 +38,8 @@ from gmlx_lab.cache import BlockCache, GmlxCache
 from gmlx_lab.cache.block import block_regions
 from gmlx_lab.cache.kivi import KIVI_BITS
 from gmlx_lab.cache.turboquant import TURBOQUANT_BITS
-from gmlx_lab.records import SINK_TOKENS, TILE, region_tokens
-from gmlx_lab.registry import AFFINE_BITS, GROUP_SIZES, KVARN_BITS, get_scheme
+from gmlx_lab.records import KVARN_BITS, SINK_TOKENS, TILE, region_tokens
+from gmlx_lab.registry import AFFINE_BITS, GROUP_SIZES, get_scheme
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 SCALE = {"ci": 1, "nightly": 10}.get(PROFILE)

@@ -274,7 +274,7 @@ def test_4_kvarn_k_and_v_agree_after_a_non_finite_error():
         kk, vv = cache.fetch()
         regions = cache.region_tokens()
         assert kk.shape[2] == vv.shape[2] == cache.offset == sum(regions.values())
-        assert cache.body.k.count == cache.body.v.count == regions["body"] // 128
+        assert cache.records.k.count == cache.records.v.count == regions["body"] // 128
         sink_k, sink_v, body_k, body_v, recent_k, recent_v = cache.state[:6]
         assert sink_k.shape[2] == sink_v.shape[2] and recent_k.shape[2] == recent_v.shape[2]
         assert all(a.shape[2] == b.shape[2] for a, b in zip(body_k, body_v))

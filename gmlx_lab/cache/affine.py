@@ -15,11 +15,17 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import SplitCounter, active_backend, affine_attend, affine_supported
-from ..registry import get_scheme
+from ..registry import GROUP_SIZES, get_scheme
 from ..window import GROUP, SINK_TOKENS, groups_to_drop
 from .attention import apply_mask
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer
+
+
+def group_problem(head_dim: int, group_size: int) -> str | None:
+    """Why rows of `head_dim` values cannot be stored in groups of `group_size`, or None: the one home of affine's
+    head-dim rule (the cache and the scheme's `declines` ask it)."""
+    return f"head_dim {head_dim} is not a multiple of group_size {group_size}" if head_dim % group_size else None
 
 
 class AffineCache(GmlxCache):
@@ -63,11 +69,10 @@ class AffineCache(GmlxCache):
     def _check_dims(self, keys: mx.array, values: mx.array) -> None:
         """The first update's head dims must split into groups (later ones must match it: GmlxCache.arrive)."""
         for name, x in (("keys", keys), ("values", values)):
-            if getattr(x, "ndim", 0) == 4 and x.shape[-1] % self.group_size:
-                raise ValueError(
-                    f"{self.where()}: {name} head_dim {x.shape[-1]} is not a multiple of "
-                    f"group_size {self.group_size}; use a group size dividing it (32, 64 or 128)"
-                )
+            problem = group_problem(x.shape[-1], self.group_size) if getattr(x, "ndim", 0) == 4 else None
+            if problem:
+                raise ValueError(f"{self.where()}: {name} {problem}; use a group size dividing it "
+                                 f"({', '.join(map(str, GROUP_SIZES))})")
 
     def _write_packed(self, start: int, keys: mx.array, values: mx.array) -> None:
         if self.packed is None:

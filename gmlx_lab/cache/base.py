@@ -170,9 +170,10 @@ class GmlxCache(_BaseCache):
         """Tokens the cache holds now: all that arrived, less what a rolling window dropped."""
         return self.offset - self.dropped
 
-    def window_check(self, max_kv_size: int | None) -> None:
-        """Refuse a window this cache cannot roll (kvarn: it must hold the sink, the tail and two groups)."""
-        window.check(max_kv_size, None, self.where())
+    def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
+        """Refuse a window this cache cannot roll, naming `where` (default: the layer): the one home of a scheme's
+        window rule (`Scheme.check_window` asks it). By default the shared rule of gmlx_lab/window.py."""
+        window.check(max_kv_size, None, where or self.where())
 
     def set_window(self, max_kv_size: int | None) -> None:
         """Make this (empty) cache a rolling window of `max_kv_size` tokens; None: no window."""

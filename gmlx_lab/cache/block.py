@@ -27,22 +27,32 @@ A layer's tokens live in three stores, oldest first (`block_regions` is the geom
 A block is encoded once it is complete, has left the tail and a later update has arrived: an update attends
 to its own tokens exactly, and its tokens can always be trimmed (speculative decoding). `encode_on_arrival =
 True` encodes complete blocks at once instead, the latest update's too (mlx-lm's affine cache does that).
+`keep_newest_block = True` keeps the fp16 source of the newest block (`rollback`) until the next encode, so a
+trim into that block restores it exactly: a draft model's cache under mlx-lm's speculative decoding takes one
+token per update and is trimmed by up to num_draft - 1 tokens, which at tail 0 reaches into the newest block
+(kvarn does this; the copy counts in `regions()["reserve"]`).
+A cache whose blocks are the shared rolling window's groups (128 tokens after a 128-token sink, kvarn's
+records) can be a rolling window (`set_window`, gmlx_lab/window.py): the oldest blocks leave whole.
 
-`encode` sees float32 blocks of the stored fp16 values (rotated first if the scheme rotates). It must treat
-the first two axes as batch: the base hands it several blocks at once as extra heads, and the shapes of what
-it returns must depend only on the block's shape (the byte formula encodes a block of zeros to count them).
+`encode` sees float32 blocks of the stored fp16 values, or what `rotate` makes of them (kvarn rotates in fp16,
+as its records were always sealed). It must treat the first two axes as batch: the base hands it several blocks
+at once as extra heads, and the shapes of what it returns must depend only on the block's shape (the byte
+formula encodes a block of zeros to count them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from .. import window
 from ..records import KV
-from ..registry import Scheme
+from ..regions import block_regions, due_tokens
+from ..registry import SCHEMES, Scheme
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
 
@@ -58,16 +68,11 @@ def clashes(name: str) -> bool:
     return name not in GEOMETRY and (name.startswith("_") or name in STATE or hasattr(BlockCache, name))
 
 
-def block_regions(context: int, block_tokens: int, sink_tokens: int = 0, kv_tail_tokens: int = 0,
-                  newest: int = 0) -> dict[str, int]:
-    """Tokens in each region of a block cache after `context` tokens, the last `newest` of them in one update
-    (not yet encoded unless the class encodes on arrival: then pass 0)."""
-    sink = min(context, sink_tokens)
-    recent = context - sink
-    body = max(0, min(recent - newest, recent - kv_tail_tokens)) // block_tokens * block_tokens
-    recent -= body
-    tail = min(recent, kv_tail_tokens)
-    return {"sink": sink, "body": body, "live": recent - tail, "tail": tail}
+def check_geometry(name: str, value: Any, where: str) -> None:
+    """A block geometry value (GEOMETRY) that no Option checks: an int >= 1 for block_tokens, >= 0 otherwise."""
+    low = 1 if name == "block_tokens" else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where}: {name}={value!r}; accepted: an int >= {low}")
 
 
 class BlockCache(GmlxCache):
@@ -78,6 +83,10 @@ class BlockCache(GmlxCache):
     sink_tokens = 0
     kv_tail_tokens = 0
     encode_on_arrival = False
+    keep_newest_block = False  # keep the newest block's fp16 source until the next encode (see the docstring)
+    # True: a block is encoded once it had left the tail before the latest update arrived (kvarn: token by token,
+    # one token after it leaves the tail); False: once it has left the tail and is older than the latest update
+    tail_before_update = False
 
     # -- what a scheme writes ------------------------------------------------------------------------
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
@@ -103,11 +112,12 @@ class BlockCache(GmlxCache):
             if clashes(name):
                 raise ValueError(f"{type(self).__name__}: option name {name!r} clashes with a BlockCache attribute")
             setattr(self, name, value)
-        for name in GEOMETRY:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "block_tokens" else 0):
-                raise ValueError(f"{self.where()}: {name}={value!r}; accepted: an int >= "
-                                 f"{1 if name == 'block_tokens' else 0}")
+        scheme = SCHEMES.get(self.scheme)
+        if scheme is not None:  # the options' one check: the registered scheme's Options
+            scheme.check(self.where(), **options)
+        for name in GEOMETRY:  # geometry no Option covers: class attributes, or a class not registered yet
+            if scheme is None or name not in {opt.name for opt in scheme.options}:
+                check_geometry(name, getattr(self, name), self.where())
         self.options = dict(options)
         self.sink: KV | None = None  # K, V (B, H, <= sink_tokens, D) fp16
         self.body: KV | None = None  # K, V tuples of arrays (B, H, blocks, ...)
@@ -115,6 +125,7 @@ class BlockCache(GmlxCache):
         self.sink_count = 0
         self.recent_count = 0
         self.newest = 0  # tokens of the latest update: not encoded before the next one arrives
+        self.rollback: KV | None = None  # the newest block's fp16 K, V (keep_newest_block), until the next encode
 
     # -- geometry -------------------------------------------------------------------------------------------
     @property
@@ -168,12 +179,14 @@ class BlockCache(GmlxCache):
         self.offset += n
         self.newest = 0 if self.encode_on_arrival else n
         self._encode(self.due_blocks())
+        if self.max_kv_size is not None:
+            self._roll(n)
         return self._return(*self.fetch(dtype))
 
     def due_blocks(self) -> int:
         """Complete blocks of recent tokens that have left the tail and are older than the latest update."""
-        r = self.recent_count
-        return max(0, min(r - self.newest, r - self.kv_tail_tokens)) // self.block_tokens
+        due = due_tokens(self.recent_count, self.newest, self.kv_tail_tokens, self.tail_before_update)
+        return max(0, due) // self.block_tokens
 
     def seal(self) -> int:
         """Encode every complete block that has left the tail now, the latest update's too; returns how many.
@@ -184,6 +197,7 @@ class BlockCache(GmlxCache):
         n = max(0, self.recent_count - self.kv_tail_tokens) // self.block_tokens
         self._encode(n)
         self.newest = 0
+        self.rollback = None
         return n
 
     def settle(self) -> None:
@@ -191,11 +205,23 @@ class BlockCache(GmlxCache):
         self.seal()
         super().settle()
 
-    def window_check(self, max_kv_size: int | None) -> None:
-        """Block schemes have no rolling window yet (its groups of 128 would have to line up with the blocks)."""
-        if max_kv_size is not None:
-            raise ValueError(f"{self.where()}: {type(self).__name__} has no rolling window (max_kv_size); "
+    def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
+        """The shared window rule (gmlx_lab/window.py: the sink, the tail and whole groups) where the blocks are its
+        groups (128 tokens after a 128-token sink, kvarn's records); other block caches have no rolling window."""
+        if max_kv_size is not None and (self.block_tokens, self.sink_tokens) != (window.GROUP, window.SINK_TOKENS):
+            raise ValueError(f"{where or self.where()}: {type(self).__name__} has no rolling window (max_kv_size); "
                              "accepted: None")
+        window.check(max_kv_size, self.kv_tail_tokens, where or self.where())
+
+    def _roll(self, newest: int) -> None:
+        """The rolling window: the oldest whole blocks leave (gmlx_lab/window.py); the sink and tail stay."""
+        drop = min(window.groups_to_drop(self.held, self.max_kv_size, newest), self.n_blocks)
+        if drop:
+            if drop < self.n_blocks:
+                self.body = KV(*(tuple(mx.contiguous(p[:, :, drop:]) for p in parts) for parts in self.body))
+            else:
+                self.body = self.rollback = None
+            self.dropped += drop * self.block_tokens
 
     def _encode(self, blocks: int) -> None:
         """Encode the oldest `blocks` blocks of recent tokens into the body (K and V both)."""
@@ -204,6 +230,9 @@ class BlockCache(GmlxCache):
         tokens = blocks * self.block_tokens
         new = KV(*(self._encode_blocks(self.rotate(buf.data[:, :, :tokens].astype(mx.float32)), kind)
                    for buf, kind in zip(self.recent, "kv")))
+        if self.keep_newest_block:
+            self.rollback = KV(*(mx.contiguous(buf.data[:, :, tokens - self.block_tokens:tokens])
+                                 for buf in self.recent))
         if self.body is None:
             self.body = new
         else:
@@ -256,10 +285,15 @@ class BlockCache(GmlxCache):
 
     # -- contract ---------------------------------------------------------------------------------------------------
     def trim(self, n: int) -> int:
-        """Roll back the newest n tokens: the recent fp16 tokens, and the sink before any block; blocks cannot be
-        restored exactly, so a trim into them is refused."""
-        fp16_tokens = self.recent_count + (0 if self.body is not None else self.sink_count)
+        """Roll back the newest n tokens: the recent fp16 tokens, the newest block from its fp16 copy if the class
+        keeps one (`rollback`), and the sink before any block; other blocks cannot be restored exactly, so a trim
+        into them is refused."""
+        unencodable = self.block_tokens if self.rollback is not None else 0
+        blocks_left = self.n_blocks - (1 if unencodable else 0)
+        fp16_tokens = self.recent_count + unencodable + (0 if blocks_left else self.sink_count)
         n = self.check_trim(n, fp16_tokens, "tokens already encoded into blocks cannot be restored exactly")
+        if unencodable and n > self.recent_count:
+            self._decode_newest()
         from_recent = min(n, self.recent_count)
         self.recent_count -= from_recent
         if n > from_recent:
@@ -271,7 +305,23 @@ class BlockCache(GmlxCache):
         self._fetched = None
         return n
 
+    def _decode_newest(self) -> None:
+        """Put the newest block's tokens back in front of the recent ones, from their fp16 copy (`rollback`)."""
+        n = self.recent_count
+        back = KV(*(mx.concatenate([r, buf.data[:, :, :n]], axis=2) if n else r
+                    for r, buf in zip(self.rollback, self.recent)))
+        self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
+        for buf, x in zip(self.recent, back):
+            buf.write(0, x)
+        self.recent_count = n + self.block_tokens
+        keep = self.n_blocks - 1
+        self.body = KV(*(tuple(mx.contiguous(p[:, :, :keep]) for p in parts) for parts in self.body)) if keep \
+            else None
+        self.rollback = None
+
     def regions(self) -> dict[str, int]:
+        """Resident bytes by region; "reserve" is what is held beyond the tokens served: the recent buffers'
+        growth room and the newest block's fp16 copy (`rollback`)."""
         tokens = self.region_tokens()
         recent_bytes = array_bytes(self.recent.k.data, self.recent.v.data)
         per_token = recent_bytes // max(self.recent.k.capacity(), 1)
@@ -280,30 +330,40 @@ class BlockCache(GmlxCache):
             "body": 0 if self.body is None else array_bytes(*self.body.k, *self.body.v),
             "live": per_token * tokens["live"],
             "tail": per_token * tokens["tail"],
-            "reserve": recent_bytes - per_token * self.recent_count,
+            "reserve": recent_bytes - per_token * self.recent_count
+            + (0 if self.rollback is None else array_bytes(*self.rollback)),
         }
+
+    def __deepcopy__(self, memo: dict) -> BlockCache:
+        """An independent copy (GmlxCache.__deepcopy__) that can still restore its newest block."""
+        new = super().__deepcopy__(memo)
+        new.rollback = self.rollback
+        return new
 
     @property
     def state(self) -> tuple[Any, ...]:
-        """Arrays, then scalars: offset, newest, layer, the geometry, the K/V shape, and the scheme's options as
-        name, value pairs (mlx-lm 0.32.2's save_prompt_cache stores the scalars it finds in `state`)."""
+        """Arrays, then scalars: offset, newest, layer, the geometry, the K/V shape, the rolling window (size,
+        tokens dropped) and the sliding-window setting, and the scheme's options as name, value pairs (mlx-lm
+        0.32.2's save_prompt_cache stores the scalars it finds in `state`)."""
         sink = (None, None) if self.sink is None else tuple(self.sink)
         body = (None, None) if self.body is None else tuple(self.body)
         recent = (None, None)
         if self.recent_count:
             recent = (self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count))
         meta = (self.offset, self.newest, self.layer, *(getattr(self, name) for name in GEOMETRY),
-                *(self._shape or (None,) * 4))
+                *(self._shape or (None,) * 4), self.max_kv_size, self.dropped, *self.sliding_state())
         return (*sink, *body, *recent, *meta, *(x for item in self.options.items() for x in item))
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
         sk, sv, bk, bv, rk, rv, offset, newest, layer, *rest = v
-        geometry, shape, pairs = rest[:3], rest[3:7], rest[7:]
+        geometry, shape, (max_kv_size, dropped, *sliding), pairs = rest[:3], rest[3:7], rest[7:11], rest[11:]
         options = dict(zip(pairs[0::2], pairs[1::2]))
-        self.__init__(layer, **{**dict(zip(GEOMETRY, geometry)), **options})
-        self.options = options
-        self.offset, self.newest = offset, newest
+        self.__init__(layer=layer, **options)
+        for name, value in zip(GEOMETRY, geometry):  # class attributes of the saving class, unless options
+            setattr(self, name, value)
+        self.offset, self.newest, self.max_kv_size, self.dropped = offset, newest, max_kv_size, dropped
+        self.restore_sliding(sliding)
         self._shape = None if None in shape else tuple(shape)
         if sk is not None:
             self.sink, self.sink_count = KV(sk, sv), sk.shape[2]
@@ -312,6 +372,13 @@ class BlockCache(GmlxCache):
         if rk is not None:
             self.recent = KV(GrowingBuffer(STORE_DTYPE, rk), GrowingBuffer(STORE_DTYPE, rv))
             self.recent_count = rk.shape[2]
+
+
+@lru_cache(maxsize=1024)
+def encoded_block_bytes(cls: type[BlockCache], options: tuple[tuple[str, Any], ...], k_dim: int, v_dim: int) -> int:
+    """`block_bytes` of a cache of class `cls` with these options, remembered: the byte formula asks it for every
+    point of a figure, and encoding a block (kvarn: 16 normalization rounds) takes milliseconds."""
+    return cls(**dict(options)).block_bytes(k_dim, v_dim)
 
 
 @dataclass(frozen=True)
@@ -331,17 +398,18 @@ class BlockScheme(Scheme):
                 raise ValueError(f"BlockScheme {self.name!r}: option name {opt.name!r} clashes with a "
                                  "BlockCache attribute")
 
-    def make_cache(self, options: dict[str, Any], layer: int | None = None) -> BlockCache:
-        return self.cache_class(layer=layer, **options)
+    def cache_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The options the class takes, from the resolved ones: all of them by default (a scheme whose `adjust`
+        derives some options from others, as kvarn's K/V widths from `bits`, drops the ones it derived from)."""
+        return options
 
-    def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
-        """No rolling window for block schemes yet (BlockCache.window_check)."""
-        raise ValueError(f"{where}: {self.cache_class.__name__} has no rolling window (max_kv_size); accepted: None")
+    def make_cache(self, options: dict[str, Any], layer: int | None = None) -> BlockCache:
+        return self.cache_class(layer=layer, **self.cache_options(options))
 
     def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
         """A layer whose head dims the class cannot encode stays fp16, with the class's reason."""
         try:
-            self.cache_class(**options).check_head_dims(k_dim, v_dim)
+            self.cache_class(**self.cache_options(options)).check_head_dims(k_dim, v_dim)
         except ValueError as exc:
             return str(exc).split(": ", 1)[-1]
         return None
@@ -349,20 +417,22 @@ class BlockScheme(Scheme):
     def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
         """Encoded blocks at the bytes of one block of zeros; sink, live and tail tokens as fp16 (token by token:
         the newest token not yet encoded unless the class encodes on arrival)."""
-        cache = self.cache_class(**options)
+        cache = self.cache_class(**self.cache_options(options))
         newest = 0 if cache.encode_on_arrival else 1
-        r = block_regions(tokens, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens, newest)
+        r = block_regions(tokens, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens, newest,
+                          cache.tail_before_update)
         blocks = r["body"] // cache.block_tokens
         fp16_tokens = tokens - r["body"]
-        return kv_heads * (blocks * cache.block_bytes(k_dim, v_dim) + fp16_tokens * (k_dim + v_dim) * 2.0)
+        block = encoded_block_bytes(self.cache_class, tuple(self.cache_options(options).items()), k_dim, v_dim)
+        return kv_heads * (blocks * block + fp16_tokens * (k_dim + v_dim) * 2.0)
 
     def audit(self, cache: BlockCache, options: dict[str, Any]) -> tuple[str, bool]:
-        """The options the policy gave, and every block that is due encoded."""
-        for name, value in options.items():
+        """The options the policy gave, and every block that is due encoded (less those a rolling window dropped)."""
+        for name, value in self.cache_options(options).items():
             if getattr(cache, name, None) != value:
                 return f"{name} {getattr(cache, name, None)}, policy says {value}", False
         due = block_regions(cache.offset, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens,
-                            cache.newest)["body"]
+                            cache.newest, cache.tail_before_update)["body"] - cache.dropped
         if cache.n_blocks * cache.block_tokens < due:
             return f"{due} tokens should be encoded at {cache.offset} tokens, found {cache.n_blocks} blocks", True
         return "", due > 0
@@ -374,5 +444,6 @@ class BlockScheme(Scheme):
 
     def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
         """(tokens, D) through the class's encode and decode (tokens a multiple of block_tokens)."""
-        out = self.cache_class(**options).roundtrip(mx.array(np.asarray(x, np.float32))[None, None], kind)
+        cache = self.cache_class(**self.cache_options(options))
+        out = cache.roundtrip(mx.array(np.asarray(x, np.float32))[None, None], kind)
         return np.array(out[0, 0].astype(mx.float32))

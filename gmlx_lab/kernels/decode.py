@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..records import KvarnParts, Records, unpack_rows
+from ..records import KVARN_HEAD_DIMS, KvarnParts, Records, unpack_rows
 from . import config
 from .build import kernel_backend, launch, run_graph
 from .sources import CUDA_DEFINES
@@ -148,7 +148,7 @@ def merge_splits(part_o: mx.array, part_lse: mx.array, rotate: bool = False, dty
 KVARN_WARPS = 4  # warps per kvarn_decode threadgroup; each walks its own run of units
 KVARN_QN = 8  # query vectors per kvarn_decode threadgroup: the n of its 16x8x16 tensor-core products
 KVARN_PROW = 132  # floats per row of kvarn_decode's weights and outputs tiles (128 and 4 against bank conflicts)
-KVARN_HEAD_DIMS = (128, 256, 512)  # the fused kernel's head dims: whole 128-channel slices, a power of two
+# The fused kernel takes gmlx's head dims (records.KVARN_HEAD_DIMS): whole 128-channel slices, a power of two
 # (512 is also Metal's limit: past it the queries and one slice's outputs fill a threadgroup's 32 KB)
 # CUDA: kvarn_decode's launch bounds, at most KVARN_THREADS threads and at least KVARN_MIN_BLOCKS threadgroups a
 # multiprocessor, so ptxas keeps a thread's registers to 65536 / (128 x 3): 168, no spills (4 gave 128 registers,

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..policy import Policy, PromptCache, model_name, policy
 from ..registry import BASELINE, get_scheme
-from ..specs import SchemeLike, parse_scheme_spec
+from ..specs import SchemeLike, read_scheme_spec
 from .metrics import kl_from_logprobs
 
 __all__ = [
@@ -50,7 +50,7 @@ def choose_policy(model: nn.Module, item: SchemeLike) -> Policy:
     """The policy of a spec ("kvarn4:tail=0"), a (scheme, options) pair, or a ready Policy."""
     if isinstance(item, Policy):
         return item
-    scheme, options = parse_scheme_spec(item)
+    scheme, options = read_scheme_spec(item)
     return policy(model, scheme, **options)
 
 

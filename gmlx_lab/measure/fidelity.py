@@ -30,7 +30,7 @@ from ..policy import Policy, PromptCache, policy
 from ..registry import BASELINE
 
 # the spec grammar and the audit have homes of their own; their names stay importable from here
-from ..specs import SchemeLike, parse_scheme_spec, scheme_label, spec_policy  # noqa: F401
+from ..specs import SchemeLike, parse_scheme_spec, read_scheme_spec, scheme_label, spec_policy  # noqa: F401
 from .audit import AuditError, AuditReport, LayerAudit, audit, fp16_equivalent  # noqa: F401
 from .metrics import kl_from_logprobs, perplexity_from_nll
 
@@ -326,7 +326,7 @@ def sweep_specs(name: str) -> list[str]:
 
 def single_layer_policy(model: nn.Module, spec: str | tuple[str, dict[str, Any]], layer: int) -> Policy:
     """The scheme's policy with every layer fp16 except `layer` (quantized even if the rule keeps it fp16)."""
-    scheme, options = parse_scheme_spec(spec)
+    scheme, options = read_scheme_spec(spec)
     base = policy(model, scheme, **options)
     if not 0 <= layer < len(base.layers):
         raise ValueError(f"layer {layer} does not exist; the model has {len(base.layers)} cache entries")
@@ -344,7 +344,7 @@ def layer_sensitivity(model: nn.Module, tokenizer: Any, text_or_tokens: str | Se
                       spec: str = "kvarn4:tail=0", *, layers: Sequence[int] | None = None,
                       **kwargs: Any) -> FidelityResult:
     """Quantize one layer at a time (all others fp16): which layers' caches the output is most sensitive to."""
-    scheme, options = parse_scheme_spec(spec)
+    scheme, options = read_scheme_spec(spec)
     base = policy(model, scheme, **options)
     chosen = [d.index for d in base.layers if d.grows] if layers is None else list(layers)
     policies = [single_layer_policy(model, spec, i) for i in chosen]

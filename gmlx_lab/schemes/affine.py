@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..cache.affine import AffineCache
+from ..cache.affine import AffineCache, group_problem
 from ..registry import AFFINE_BITS, GROUP_SIZES, Option, Scheme, register_scheme
 
 OPTIONS = (
@@ -36,11 +36,7 @@ class AffineScheme(Scheme):
 
     def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
         """A row must split into whole groups."""
-        g = options["group_size"]
-        for d in sorted({k_dim, v_dim}):
-            if d % g:
-                return f"head_dim {d} is not a multiple of group_size {g}"
-        return None
+        return next((p for p in (group_problem(d, options["group_size"]) for d in sorted({k_dim, v_dim})) if p), None)
 
     def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
         """bits/8 bytes per value plus an fp16 scale and offset (4 bytes) per group."""

@@ -11,13 +11,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
-import numpy as np
-
-from .. import records, window
+from .. import records
+from ..cache.block import BlockScheme
 from ..cache.kvarn import KVarNCache
-from ..records import KVARN_BITS, KVARN_EXT_HEAD_DIMS, KVARN_HEAD_DIMS
-from ..registry import Option, Scheme, register_scheme
+from ..records import KVARN_BITS, KVARN_EXT_HEAD_DIMS
+from ..registry import Option, register_scheme
 
 KVARN_BITS_ENV = "GMLX_KVARN_BITS"  # K and V widths, "6" or "k6v5", where no width is given
 
@@ -60,8 +58,9 @@ def environment_widths() -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
-class KvarnScheme(Scheme):
-    """Records of 128 tokens x 128 channels per KV head; needs head dims of whole 128-channel slices."""
+class KvarnScheme(BlockScheme):
+    """Records of 128 tokens x 128 channels per KV head; needs head dims of whole 128-channel slices. The byte
+    formula, the audit and the roundtrip come from the class (BlockScheme), as for a plug-in."""
 
     def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
         """Each of the K and V widths: `k_bits`/`v_bits` if given, else `bits` if given, else GMLX_KVARN_BITS if
@@ -88,25 +87,20 @@ class KvarnScheme(Scheme):
         return f"{' and '.join(chose)} width{'s' if len(chose) > 1 else ''} from " \
                f"{KVARN_BITS_ENV}={os.environ[KVARN_BITS_ENV].strip()}"
 
-    def make_cache(self, options: dict[str, Any], layer: int | None = None) -> KVarNCache:
-        return KVarNCache(options["k_bits"], options["v_bits"], options["kv_tail_tokens"], options["norm_iters"],
-                          layer=layer, head_dim_ext=options.get("head_dim_ext", 0))
+    def cache_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The class takes the K and V widths (`adjust` derived them from `bits`)."""
+        return {name: value for name, value in options.items() if name != "bits"}
 
     def label(self, values: dict[str, Any]) -> str:
         """`kvarn6 tail=1024`, `kvarn k6v5 tail=128`; " ext" with the head-dim extension (64/96)."""
         return super().label(values) + (" ext" if values.get("head_dim_ext") else "")
 
     def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
+        """Latent (MLA) caches, and head dims the format has no records for (`records.head_dim_problem`)."""
         if kind == "latent-attention":
             return "MLA latent cache: kvarn declines"
         ext = options.get("head_dim_ext", 0)
-        for d in sorted({k_dim, v_dim}):
-            if d in KVARN_EXT_HEAD_DIMS and ext:
-                return None
-            if d not in KVARN_HEAD_DIMS:
-                hint = " (head_dim_ext=1 takes 64/96)" if d in KVARN_EXT_HEAD_DIMS else ""
-                return f"head_dim {d}: kvarn needs {'/'.join(map(str, KVARN_HEAD_DIMS))}{hint}"
-        return None
+        return next((p for p in (records.head_dim_problem(d, ext) for d in sorted({k_dim, v_dim})) if p), None)
 
     def reason_taken(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str:
         for d in sorted({k_dim, v_dim}):
@@ -114,10 +108,6 @@ class KvarnScheme(Scheme):
                 return (f"growing attention, head_dim {d} by the head-dim extension (records of 128 tokens x "
                         f"{d} channels: outside gmlx's format)")
         return "growing attention"
-
-    def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
-        """A kvarn window must hold the sink, the fp16 tail and whole records beside the live group."""
-        window.check(max_kv_size, options["kv_tail_tokens"], where)
 
     def token_region(self, position: int, tokens: int, newest: int, options: dict[str, Any]) -> str:
         """The fp16 sink, the records, the live group or the fp16 tail, in that order along the context."""
@@ -129,52 +119,12 @@ class KvarnScheme(Scheme):
                 return name
         raise ValueError(f"position {position} is outside a cache of {tokens} tokens")
 
-    def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
-        """Sealed tokens: dk / w + dv / w records of 128 tokens x w channels each (w = 128, or the whole head of
-        the head-dim extension), 2048 * bits + 768 bytes at w = 128; the rest fp16."""
-        regions = records.region_tokens(tokens, options["kv_tail_tokens"])
-        n_rec = regions["body"] // records.TILE
-        body = n_rec * sum(d // records.slice_width(d) * records.record_bytes(options[f"{kind}_bits"],
-                                                                              records.slice_width(d), kind)
-                           for kind, d in (("k", k_dim), ("v", v_dim)))
-        fp16_tokens = tokens - regions["body"]
-        return kv_heads * (body + fp16_tokens * (k_dim + v_dim) * 2.0)
-
-    def audit(self, cache: KVarNCache, options: dict[str, Any]) -> tuple[str, bool]:
-        widths = (options["k_bits"], options["v_bits"])
-        if (cache.k_bits, cache.v_bits) != widths:
-            return f"widths k{cache.k_bits}v{cache.v_bits}, policy says k{widths[0]}v{widths[1]}", False
-        sealed = records.region_tokens(cache.offset, cache.kv_tail_tokens, cache.newest)["body"]
-        due = (sealed - cache.dropped) // records.TILE  # a rolling window dropped the oldest records
-        if due and (cache.n_records < due or cache.regions()["record_codes"] == 0):
-            return f"{due} records should be sealed at {cache.offset} tokens, found {cache.n_records}", True
-        return "", due > 0
-
     def memory_regions(self, cache: KVarNCache) -> tuple[dict[str, int], dict[str, int] | None]:
         """The records' codes and scales as one region, "body", beside the fp16 sink, live group and tail."""
         r = cache.regions()
         regions = {"sink": r["sink"], "body": r["record_codes"] + r["record_scales"], "live": r["live"],
                    "tail": r["tail"]}
         return regions, cache.region_tokens()
-
-    def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
-        """Rotation, then records of 128 x 128 (tokens and head_dim multiples of 128), rotated back."""
-        x = np.asarray(x, np.float32)
-        if x.shape[0] % records.TILE or x.shape[1] % records.TILE:
-            raise ValueError(f"kvarn error needs tokens and head_dim multiples of 128, got {x.shape}")
-        bits = options["k_bits" if kind == "k" else "v_bits"]
-        rot = _hadamard(x)
-        out = np.empty_like(rot)
-        t, d = x.shape
-        for i in range(0, t, records.TILE):
-            for j in range(0, d, records.TILE):
-                rec = records.encode_record(mx.array(rot[i:i + 128, j:j + 128]), bits, kind)
-                out[i:i + 128, j:j + 128] = np.array(records.decode_record(rec))
-        return _hadamard(out)
-
-
-def _hadamard(x: np.ndarray) -> np.ndarray:
-    return np.array(mx.hadamard_transform(mx.array(x, dtype=mx.float32)))
 
 
 SCHEME = register_scheme(KvarnScheme(
