@@ -109,7 +109,7 @@ def test_widget_builders(model):
     picker = widgets.model_picker()
     app = widgets.compare(picker.model, picker.tokenizer, context_tokens=160, max_tokens=4, tail=0,
                           schemes=["fp16", "affine", "toy"])
-    assert list(app.schemes) == ["affine", "toy"]  # fp16 is always there: the reference column
+    assert app.chosen() == ["affine", "toy"]  # fp16 is always there: the reference column
     assert app.options("toy") == {"bits": 4, "kv_tail_tokens": 0}  # the K width (4) and the tail control (0)
     assert [c.label for c in app.live.columns] == ["fp16", "affine4 g64", "toy4 tail=0"]
     assert "tokens/s" in app.stats.value and not app.tail.disabled  # toy has a tail
