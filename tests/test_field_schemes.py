@@ -12,9 +12,11 @@ import pytest
 from conftest import random_kv, tiny_llama
 
 import gmlx_lab
+from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.floatq import FORMATS
 from gmlx_lab.cache.turboquant import gaussian_codebook, pack_bits, unpack_bits
 from gmlx_lab.registry import SCHEMES, get_scheme
+from gmlx_lab.rotation import rotation_problem
 from gmlx_lab.specs import parse_scheme_spec, scheme_label
 from gmlx_lab.viz.style import scheme_color, trace_styles
 
@@ -287,3 +289,22 @@ def test_every_scheme_has_its_own_colour_and_affine_rot_names_llama_cpp():
     colours = [s.color for s in SCHEMES.values()]
     assert len(set(colours)) == len(colours)
     assert "PR 21038" in SCHEMES["affine_rot"].summary
+
+
+@pytest.mark.parametrize("head_dim", [32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 224, 256])
+def test_rotation_rule_matches_mlx_hadamard(head_dim: int) -> None:
+    """gmlx_lab/rotation.py's rule is what mx.hadamard_transform does: accepted sizes undo themselves, the others
+    do not (sizes MLX has no transform for are not probed: they can crash the process)."""
+    eye = mx.eye(head_dim)
+    twice = mx.hadamard_transform(mx.hadamard_transform(eye))
+    assert (rotation_problem(head_dim) is None) == mx.allclose(twice, eye, atol=1e-4).item()
+
+
+def test_rotated_schemes_refuse_head_dims_they_cannot_undo() -> None:
+    """affine_rot at head_dim 160 (20 x 8) would hand back K/V that are not the model's: refused with the reason."""
+    keys = mx.zeros((1, 1, 4, 160))
+    with pytest.raises(ValueError, match="not its own inverse"):
+        AffineCache(4, 32, rotate=True).update_and_fetch(keys, keys)
+    assert "not its own inverse" in get_scheme("affine_rot").declines("k", 160, 160, {"group_size": 32, "bits": 4})
+    assert get_scheme("affine").declines("k", 160, 160, {"group_size": 32, "bits": 4}) is None
+    assert rotation_problem(288) == "head_dim 288 has no Hadamard transform in MLX (accepted: 2^k or 12 x 2^k)"

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from ..kernels import SplitCounter, active_backend, affine_attend, affine_supported
 from ..registry import GROUP_SIZES, get_scheme
+from ..rotation import rotation_problem
 from ..window import GROUP, SINK_TOKENS, groups_to_drop
 from .attention import apply_mask
 from .base import GmlxCache, array_bytes
@@ -70,6 +71,8 @@ class AffineCache(GmlxCache):
         """The first update's head dims must split into groups (later ones must match it: GmlxCache.arrive)."""
         for name, x in (("keys", keys), ("values", values)):
             problem = group_problem(x.shape[-1], self.group_size) if getattr(x, "ndim", 0) == 4 else None
+            if problem is None and self.rotate and getattr(x, "ndim", 0) == 4:
+                problem = rotation_problem(x.shape[-1])
             if problem:
                 raise ValueError(f"{self.where()}: {name} {problem}; use a group size dividing it "
                                  f"({', '.join(map(str, GROUP_SIZES))})")

@@ -2,9 +2,8 @@
 
 `BlockCache` takes options as given; the built-in block schemes (turboquant, float, kivi) also want a cache
 built by hand (`KiviCache(bits=2)`) to refuse what the registry refuses, naming the layer, and to fill the
-registry's defaults, so a cache and its scheme never disagree about an option. It also refuses head dims its
-rotation does not invert: MLX 0.32.4's `mx.hadamard_transform` returns non-orthogonal output, with no error,
-for sizes such as 40 and 80.
+registry's defaults, so a cache and its scheme never disagree about an option. A cache whose rotation turns
+its heads also refuses the head dims where that rotation cannot be undone (`gmlx_lab/rotation.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..registry import get_scheme
+from ..rotation import rotation_problem
 from .block import GEOMETRY, BlockCache
 
 
@@ -36,10 +36,12 @@ class CheckedBlockCache(BlockCache):
         self.options = values
 
     def check_head_dims(self, k_dim: int, v_dim: int) -> None:
-        """BlockCache's check, and the rotation undone by `unrotate` at these head dims (see the module docstring)."""
+        """BlockCache's check, and, if this cache rotates, the rotation rule (gmlx_lab/rotation.py) at these dims."""
         super().check_head_dims(k_dim, v_dim)
+        probe = mx.random.normal((1, 1, 1, 64), key=mx.random.key(0))  # 64: a size every rotation takes
+        if mx.array_equal(self.rotate(probe), probe).item():
+            return  # no rotation: any head dim the format takes
         for kind, d in (("k", k_dim), ("v", v_dim)):
-            x = mx.random.normal((1, 2, 4, d), key=mx.random.key(d))
-            if not mx.allclose(self.unrotate(self.rotate(x)), x, atol=1e-3).item():
-                raise ValueError(f"{self.where()}: {type(self).__name__} cannot rotate {kind.upper()} blocks of "
-                                 f"head_dim {d} (mx.hadamard_transform is not orthogonal at this size)")
+            problem = rotation_problem(d)
+            if problem:
+                raise ValueError(f"{self.where()}: {type(self).__name__} cannot rotate {kind.upper()} heads: {problem}")

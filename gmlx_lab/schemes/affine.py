@@ -13,6 +13,7 @@ import numpy as np
 
 from ..cache.affine import AffineCache, group_problem
 from ..registry import AFFINE_BITS, GROUP_SIZES, Option, Scheme, register_scheme
+from ..rotation import rotation_problem
 
 OPTIONS = (
     Option("bits", 8, "code width in bits", AFFINE_BITS),
@@ -35,8 +36,9 @@ class AffineScheme(Scheme):
         return f"{self.name}{values['bits']} g{values['group_size']}"
 
     def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
-        """A row must split into whole groups."""
-        return next((p for p in (group_problem(d, options["group_size"]) for d in sorted({k_dim, v_dim})) if p), None)
+        """A row must split into whole groups; affine_rot's rotation must be undoable at the head dims."""
+        rules = [lambda d: group_problem(d, options["group_size"])] + ([rotation_problem] if self.rotate else [])
+        return next((p for rule in rules for d in sorted({k_dim, v_dim}) if (p := rule(d))), None)
 
     def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
         """bits/8 bytes per value plus an fp16 scale and offset (4 bytes) per group."""
