@@ -262,6 +262,9 @@ class Policy:
         """What the [kv] line adds: what the environment chose (scheme widths, kernel settings: kernels/config.py),
         the rolling window, the overrides, and kernels that failed their self-check."""
         notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
+        cls = get_scheme(self.scheme).cache_class
+        if self.quantized and isinstance(cls, type) and issubclass(cls, GmlxCache) and cls.decode_path():
+            notes.append(f"{self.scheme}: {cls.decode_path()}")  # no fused GPU kernel: say so (GmlxCache.decode_path)
         chosen = kernel_config.environment_choices()
         if chosen and self.quantized:
             notes.append(f"kernel settings from the environment: {', '.join(sorted(chosen.values()))}")

@@ -130,6 +130,11 @@ class Scheme:
             label += f" tail={values['kv_tail_tokens']}"
         return label
 
+    def spec_words(self) -> dict[str, dict[str, Any]]:
+        """Words that name this scheme with options in a spec or label, beside its name ("mxfp4" -> float with
+        bits 4, group_size 32); none by default."""
+        return {}
+
     def bits(self, values: dict[str, Any]) -> int | dict[str, int] | None:
         """The code width for reports: an int, {"k": .., "v": ..} when K and V differ, or None."""
         if values.get("k_bits") is not None and values.get("v_bits") is not None:
@@ -226,6 +231,14 @@ def _same_definition(old: Scheme, new: Scheme) -> bool:
     if old.cache_class is None or new.cache_class is None:
         return old.cache_class is new.cache_class
     return same_class(old.cache_class, new.cache_class)
+
+
+def spec_prefixes() -> list[tuple[str, str, dict[str, Any]]]:
+    """(word, scheme, options) for every scheme name and spec word (`Scheme.spec_words`), longest word first: the
+    order in which a spec or a label is matched against them."""
+    out = [(name, name, {}) for name in SCHEMES]
+    out += [(word, s.name, dict(opts)) for s in SCHEMES.values() for word, opts in s.spec_words().items()]
+    return sorted(out, key=lambda item: len(item[0]), reverse=True)
 
 
 def get_scheme(name: str) -> Scheme:

@@ -12,12 +12,13 @@ from typing import Any
 import mlx.nn as nn
 
 from .policy import Policy, policy
-from .registry import SCHEMES, get_scheme
+from .registry import SCHEMES, get_scheme, spec_prefixes
 
 __all__ = ["SchemeLike", "parse_scheme_spec", "scheme_label", "spec_policy"]
 
 _ALIASES = {"tail": "kv_tail_tokens", "g": "group_size", "group": "group_size", "iters": "norm_iters",
-            "start": "quantized_kv_start", "k": "k_bits", "v": "v_bits", "ext": "head_dim_ext"}
+            "start": "quantized_kv_start", "k": "k_bits", "v": "v_bits", "ext": "head_dim_ext",
+            "sink": "sink_tokens", "rot": "rotation"}
 _SPLIT = re.compile(r"k(\d+)v(\d+)")
 
 SchemeLike = str | tuple[str, dict[str, Any]] | Policy
@@ -26,7 +27,8 @@ SchemeLike = str | tuple[str, dict[str, Any]] | Policy
 def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """Read "fp16", "affine4", "affine_rot4:g=32", "kvarn6:tail=128" or "kvarn:k8v4" into (scheme, options).
 
-    The name is the longest registered scheme name the spec starts with; a number after it is `bits`, "k8v4"
+    The name is the longest registered scheme name (or a scheme's spec word, "mxfp4": `Scheme.spec_words`, which
+    sets options) the spec starts with; a number after it is `bits`, "k8v4"
     sets `k_bits` and `v_bits` (schemes that have them), "key=value" any option (short names in _ALIASES).
     Options are checked against the registry (gmlx_lab.registry.SCHEMES); anything it
     does not accept raises a ValueError saying what is accepted.
@@ -38,14 +40,13 @@ def parse_scheme_spec(text: str | tuple[str, dict[str, Any]]) -> tuple[str, dict
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"scheme spec must be a non-empty string such as 'kvarn6', got {text!r}")
     head, _, tail = text.strip().partition(":")
-    name = next((s for s in sorted(SCHEMES, key=len, reverse=True) if head.startswith(s)), None)
+    word, name, options = next(((w, s, o) for w, s, o in spec_prefixes() if head.startswith(w)), ("", None, {}))
     if name is None:
         raise ValueError(f"unknown scheme in {text!r}; schemes: {', '.join(SCHEMES)} "
                          "(e.g. fp16, affine4, affine_rot4, kvarn6, kvarn6:tail=128, kvarn:k8v4)")
     spec = get_scheme(name)
     names = {opt.name for opt in spec.options}
-    options: dict[str, Any] = {}
-    parts = [head[len(name):]] + [p for p in tail.split(",") if p.strip()]
+    parts = [head[len(word):]] + [p for p in tail.split(",") if p.strip()]
     for part in (p.strip() for p in parts):
         if not part:
             continue

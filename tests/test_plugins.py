@@ -35,7 +35,8 @@ def test_registered_and_parsed_like_a_built_in(model, capsys):
     assert gmlx_lab.parse_scheme_spec("toy4:tail=0") == ("toy", {"bits": 4, "kv_tail_tokens": 0})
     cache = gmlx_lab.make_cache(model, "toy", bits=4, name="tiny")
     assert capsys.readouterr().out.strip() == ("[kv] tiny: toy4 tail=16 -> quantized 3/4 attn layers "
-                                              "(layer 3 fp16: last of deep stack)")
+                                              "(layer 3 fp16: last of deep stack); toy: reference decode path "
+                                              "(dequantize, then SDPA; no fused kernel)")
     assert [type(c).__name__ for c in cache] == ["ToyCache"] * 3 + ["FP16Cache"]
     assert cache.policy.as_dict()["bits"] == 4 and cache[0].bits == 4 and cache[0].sink_tokens == 4
 
@@ -47,7 +48,7 @@ def test_unknown_names_and_values_are_clear_errors(model):
         gmlx_lab.make_cache(model, "toy", quiet=True, bits=6)
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['group_size'\]; accepted options: bits, "):
         gmlx_lab.parse_scheme_spec("toy8:g=32")
-    with pytest.raises(ValueError, match="only kvarn stores K and V at different widths; toy has one 'bits'"):
+    with pytest.raises(ValueError, match="only kvarn, .*kivi store K and V at different widths; toy has one 'bits'"):
         gmlx_lab.parse_scheme_spec("toy:k8v4")
 
 

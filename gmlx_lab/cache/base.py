@@ -267,6 +267,12 @@ class GmlxCache(_BaseCache):
         the reference path, and a passed self-check."""
         return self.attention_path != "reference" and active_backend() != "cpu" and selfcheck.passed(kernel)
 
+    @classmethod
+    def decode_path(cls) -> str:
+        """How a quantized layer of this class attends at decode, for the [kv] line: '' when it has a fused GPU
+        kernel (`KERNELS`), else that it takes the reference path. A plug-in without kernels says so by default."""
+        return "" if cls.KERNELS else "reference decode path (dequantize, then SDPA; no fused kernel)"
+
     def attention_route(self) -> str:
         """How this cache attends and stores on this machine, in words (the fused kernels, or why not)."""
         if self.attention_path == "reference" or not self.KERNELS:

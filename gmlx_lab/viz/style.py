@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from ..registry import SCHEMES
+from ..registry import SCHEMES, spec_prefixes
 
 __all__ = ["MAX_DIGITS", "context_ticks", "figure_problems", "log_ticks", "num", "scheme_color", "scheme_colors",
            "scheme_of", "shade", "significant_digits", "trace_styles"]
@@ -38,9 +38,8 @@ def scheme_colors() -> dict[str, str]:
 
 
 def scheme_of(label: str) -> str | None:
-    """The registered scheme a label starts with ("affine_rot K" -> "affine_rot"), or None."""
-    names = sorted(SCHEMES, key=len, reverse=True)
-    return next((n for n in names if str(label).startswith(n)), None)
+    """The registered scheme a label starts with ("affine_rot K" -> "affine_rot", "nvfp4_rot" -> "float"), or None."""
+    return next((s for w, s, _ in spec_prefixes() if str(label).startswith(w)), None)
 
 
 def scheme_color(label: str) -> str:
@@ -59,8 +58,8 @@ def shade(color: str, amount: float) -> str:
 
 def _split(label: str) -> tuple[str, str, str]:
     """(scheme or label, variant, dash) of a trace label: "affine4 g32 V" -> ("affine", "4 g32", "dash")."""
-    name = scheme_of(label) or ""
-    words = str(label)[len(name):].split()
+    word, name = next(((w, s) for w, s, _ in spec_prefixes() if str(label).startswith(w)), ("", ""))
+    words = ([] if word == name else [word]) + str(label)[len(word):].split()  # "nvfp4_rot": a variant of float
     dash = "solid"
     if words and words[-1].lower() in _KV_WORDS:
         dash = _KV_WORDS[words.pop().lower()]

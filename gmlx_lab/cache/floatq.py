@@ -1,0 +1,58 @@
+"""Microscaling floats for K/V: mxfp4, nvfp4 and mxfp8 codes through `mx.quantize(..., mode=...)`.
+
+Each token's row is cut into groups; a group shares one 8-bit scale and each value is a small float:
+  mxfp4  4-bit E2M1 values, groups of 32 sharing a power-of-two (E8M0) scale (OCP Microscaling spec v1.0);
+  nvfp4  4-bit E2M1 values, groups of 16 sharing an FP8 E4M3 scale (NVIDIA's NVFP4; MLX 0.32.4's mx.quantize
+         returns no per-tensor scale by default, so none is stored);
+  mxfp8  8-bit E4M3 values, groups of 32 sharing an E8M0 scale.
+The format is (bits, group_size): 4 and 32, 4 and 16, 8 and 32 (the only ones MLX accepts). With
+`rotation=1` each head is first turned by the normalized Hadamard transform, as affine_rot does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..registry import get_scheme
+from .block import BlockCache
+
+FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group_size) -> mx.quantize mode
+
+
+def float_format(bits: int, group_size: int) -> str:
+    """The mx.quantize mode of these widths, or a ValueError naming the formats accepted."""
+    if (bits, group_size) not in FORMATS:
+        accepted = ", ".join(f"{name} (bits={b}, group_size={g})" for (b, g), name in FORMATS.items())
+        raise ValueError(f"float: bits={bits}, group_size={group_size} is no format; accepted: {accepted}")
+    return FORMATS[(bits, group_size)]
+
+
+class FloatCache(BlockCache):
+    """Each token's K/V row as microscaling floats (codes in uint32 words, one uint8 scale per group)."""
+
+    scheme = "float"
+    block_tokens = 32
+
+    def __init__(self, layer: int | None = None, **options: Any):
+        super().__init__(layer, **options)
+        get_scheme(self.scheme).check(self.where(), **options)
+        try:
+            self.mode = float_format(self.bits, self.group_size)
+        except ValueError as err:
+            raise ValueError(f"{self.where()}: {err}") from None
+
+    def rotate(self, x: mx.array) -> mx.array:
+        return mx.hadamard_transform(x) if self.rotation else x
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        return mx.hadamard_transform(x) if self.rotation else x
+
+    def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array]:
+        return mx.quantize(x, group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+    def decode(self, parts: tuple[mx.array, mx.array], kind: str) -> mx.array:
+        codes, scales = parts
+        return mx.dequantize(codes, scales, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             dtype=mx.float32)

@@ -1,0 +1,46 @@
+"""KIVI (Liu et al., ICML 2024, arXiv 2402.02750): K quantized per channel, V per token, the newest tokens fp16.
+
+Outlier channels make K hard to quantize token by token: one large channel stretches every group it sits in.
+KIVI gives each K channel its own scale and offset over a block of tokens instead (the channel's values across
+the block's 32 tokens share them), and V, whose errors average out over the attention weights, its groups of
+32 channels per token. Codes are mlx's affine codes (`mx.quantize`), packed into uint32 words; scales and
+offsets fp16. The block base keeps the newest `kv_tail_tokens` tokens (default 128, as HF transformers'
+`residual_length`) and the block being filled in fp16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..registry import get_scheme
+from .block import BlockCache
+from .fp16 import STORE_DTYPE
+
+V_GROUP = 32  # channels of a V token sharing one scale and offset (KIVI's group size)
+KIVI_BITS = (2, 3, 4, 5, 6, 8)  # the widths mx.quantize's affine mode packs
+
+
+class KiviCache(BlockCache):
+    """K per channel over blocks of 32 tokens, V per token in groups of 32 channels, both affine codes."""
+
+    scheme = "kivi"
+    block_tokens = 32  # the tokens a K channel's scale and offset span (KIVI's group size)
+
+    def __init__(self, layer: int | None = None, **options: Any):
+        super().__init__(layer, **options)
+        get_scheme(self.scheme).check(self.where(), **options)
+
+    def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array, mx.array]:
+        """K: each channel across the block's tokens (one group); V: each token in groups of 32 channels."""
+        if kind == "k":
+            return mx.quantize(x.swapaxes(-1, -2).astype(STORE_DTYPE), group_size=self.block_tokens, bits=self.k_bits)
+        return mx.quantize(x.astype(STORE_DTYPE), group_size=V_GROUP, bits=self.v_bits)
+
+    def decode(self, parts: tuple[mx.array, mx.array, mx.array], kind: str) -> mx.array:
+        codes, scales, biases = parts
+        if kind == "k":
+            x = mx.dequantize(codes, scales, biases, group_size=self.block_tokens, bits=self.k_bits)
+            return x.swapaxes(-1, -2).astype(mx.float32)
+        return mx.dequantize(codes, scales, biases, group_size=V_GROUP, bits=self.v_bits).astype(mx.float32)

@@ -1,0 +1,182 @@
+"""TurboQuant (Zandieh, Daliri, Hadian, Mirrokni; arXiv 2504.19874): a random rotation, then one scalar
+codebook per coordinate, optimal for the rotated coordinates' distribution; the vector's norm kept beside.
+
+A random rotation makes every coordinate of a unit vector follow one concentrated distribution (close to a
+Gaussian of variance 1/d for head dims like 64-256), so one fixed Lloyd-Max codebook, computed once from that
+distribution with no calibration data (`gaussian_codebook`), quantizes every coordinate of every vector. The
+rotation here is a seeded randomized Hadamard transform (random sign flips per head, then the normalized
+Hadamard transform): orthogonal and fast, not the paper's dense random rotation.
+
+With `qjl=1` K spends one of its bits on the paper's inner-product variant: the codebook at k_bits - 1 bits,
+then the sign of a seeded Gaussian projection S (d x d) of the residual r, and |r|. This cache hands
+attention a dequantized K, k_mse + |r| sqrt(pi/2) / d * S^T sign(S r), so q . k is the paper's unbiased
+estimate of the true score (tests/test_field_schemes.py checks the mean over seeds).
+
+Codes are packed to their width into uint32 words (`pack_bits`), norms fp16: d * bits / 8 + 2 bytes per
+vector, and d / 8 + 2 more for K's QJL signs and residual norm.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache, lru_cache
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..registry import get_scheme
+from .block import BlockCache
+from .fp16 import STORE_DTYPE
+
+TURBOQUANT_BITS = (2, 3, 4, 8)
+
+
+@cache
+def gaussian_codebook(bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lloyd-Max quantizer of N(0, 1) with 2**bits levels: (centroids, the thresholds between them), float64.
+
+    The Lloyd-Max conditions: each threshold is the midpoint of its two centroids, and each centroid the mean of
+    the Gaussian between its thresholds a < b, T(c) = (pdf(a) - pdf(b)) / (Q(a) - Q(b)), Q the upper tail. The
+    quantizer is symmetric, so only the positive half is solved (thresholds 0 < ... < inf). Lloyd's iteration
+    c <- T(c) crawls at 128 levels, so this solves c = T(c) by Newton's method (T's Jacobian is tridiagonal),
+    from the high-resolution optimum (Panter and Dite: cells dense as pdf^(1/3), the quantiles of N(0, 3)),
+    until |c - T(c)| < 1e-12: deterministic, a few steps, once per width."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"gaussian_codebook: bits={bits!r}; accepted: an int from 1 to 8")
+    half = 2 ** (bits - 1)
+    c = math.sqrt(3) * np.array([_upper_inverse((half - i - 0.5) / (2 * half)) for i in range(half)])
+    for _ in range(100):
+        t = np.concatenate([[0.0], (c[1:] + c[:-1]) / 2, [np.inf]])
+        a, b = t[:-1], t[1:]
+        pa, pb = _pdf(a), _pdf(b)
+        mass = _upper(a) - _upper(b)
+        mean = (pa - pb) / mass
+        f = c - mean
+        if np.max(np.abs(f)) < 1e-12:
+            break
+        da = pa * (mean - a) / mass  # dT_i / d a_i, with a_i = (c_{i-1} + c_i) / 2 for i > 0
+        db = pb * (np.where(np.isinf(b), 0.0, b) - mean) / mass  # dT_i / d b_i (0 at b = inf: pdf(inf) = 0)
+        jac = np.eye(half)
+        idx = np.arange(half)
+        inner = idx > 0
+        jac[idx[inner], idx[inner] - 1] -= da[inner] / 2
+        jac[idx[inner], idx[inner]] -= da[inner] / 2
+        outer = idx < half - 1
+        jac[idx[outer], idx[outer]] -= db[outer] / 2
+        jac[idx[outer], idx[outer] + 1] -= db[outer] / 2
+        c = c - np.linalg.solve(jac, f)
+    else:
+        raise RuntimeError(f"gaussian_codebook({bits}): Newton's method did not converge")
+    c = np.concatenate([-c[::-1], c])
+    return c, (c[1:] + c[:-1]) / 2
+
+
+def _pdf(x: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _upper(x: np.ndarray) -> np.ndarray:
+    """The Gaussian upper tail Q(x) = P(X > x), accurate far out."""
+    return np.array([0.5 * math.erfc(v / math.sqrt(2)) for v in x])
+
+
+def _upper_inverse(p: float) -> float:
+    """x with Q(x) = p (Q the Gaussian upper tail), by bisection: a starting point for the codebook."""
+    lo, hi = -10.0, 10.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 0.5 * math.erfc(mid / math.sqrt(2)) > p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def pack_bits(codes: mx.array, bits: int) -> mx.array:
+    """Codes (..., n), each < 2**bits, as a bit stream in uint32 words (..., ceil(n * bits / 32))."""
+    n = codes.shape[-1]
+    stream = (mx.expand_dims(codes.astype(mx.uint32), -1) >> mx.arange(bits, dtype=mx.uint32)) & 1
+    stream = stream.reshape(*codes.shape[:-1], n * bits)
+    words = -(-n * bits // 32)
+    if words * 32 > n * bits:
+        stream = mx.concatenate([stream, mx.zeros((*codes.shape[:-1], words * 32 - n * bits), mx.uint32)], -1)
+    stream = stream.reshape(*codes.shape[:-1], words, 32)
+    return mx.sum(stream << mx.arange(32, dtype=mx.uint32), axis=-1).astype(mx.uint32)
+
+
+def unpack_bits(words: mx.array, bits: int, n: int) -> mx.array:
+    """The n codes of width `bits` that `pack_bits` stored in `words`, as uint32 (..., n)."""
+    stream = (mx.expand_dims(words, -1) >> mx.arange(32, dtype=mx.uint32)) & 1
+    stream = stream.reshape(*words.shape[:-1], -1)[..., : n * bits].reshape(*words.shape[:-1], n, bits)
+    return mx.sum(stream << mx.arange(bits, dtype=mx.uint32), axis=-1).astype(mx.uint32)
+
+
+@lru_cache(maxsize=64)
+def head_signs(seed: int, heads: int, dim: int) -> mx.array:
+    """Random signs (heads, 1, dim), one row per head: row h depends only on (seed, h)."""
+    rows = [np.random.default_rng([seed, h]).integers(0, 2, dim) * 2 - 1 for h in range(heads)]
+    return mx.array(np.stack(rows)[:, None, :].astype(np.float32))
+
+
+@lru_cache(maxsize=64)
+def qjl_matrix(seed: int, dim: int) -> mx.array:
+    """The QJL projection S (dim x dim), i.i.d. N(0, 1), from the seed."""
+    return mx.array(np.random.default_rng([seed, 1 << 20]).standard_normal((dim, dim)).astype(np.float32))
+
+
+class TurboQuantCache(BlockCache):
+    """Randomized Hadamard rotation per head, Lloyd-Max codes per coordinate, fp16 norms (QJL for K optional)."""
+
+    scheme = "turboquant"
+    block_tokens = 32
+
+    def __init__(self, layer: int | None = None, **options: Any):
+        super().__init__(layer, **options)
+        get_scheme(self.scheme).check(self.where(), **options)
+        self.encoded_dims: dict[str, int] = {}
+        if self.qjl and self.k_bits < 2:
+            raise ValueError(f"{self.where()}: turboquant qjl=1 needs k_bits >= 2 (k_bits - 1 for the codebook)")
+
+    def rotate(self, x: mx.array) -> mx.array:
+        return mx.hadamard_transform(x * head_signs(self.seed, x.shape[1], x.shape[-1]))
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        return mx.hadamard_transform(x) * head_signs(self.seed, x.shape[1], x.shape[-1])
+
+    def codebook_bits(self, kind: str) -> int:
+        """The codebook's width for K or V: the width, less the QJL bit for K with qjl."""
+        return self.k_bits - bool(self.qjl) if kind == "k" else self.v_bits
+
+    def encode(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
+        d, bits = x.shape[-1], self.codebook_bits(kind)
+        self.encoded_dims[kind] = d
+        centroids, thresholds = (mx.array(a.astype(np.float32)) / math.sqrt(d) for a in gaussian_codebook(bits))
+        norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+        u = x / mx.maximum(norm, 1e-30)
+        idx = mx.zeros(u.shape, mx.uint32)  # binary search over the sorted thresholds, one bit per step
+        for level in reversed(range(bits)):
+            step = idx + (1 << level)
+            idx = mx.where(u > mx.take(thresholds, step - 1), step, idx)
+        norm16 = norm.astype(STORE_DTYPE)
+        parts = (pack_bits(idx, bits), norm16)
+        if kind == "k" and self.qjl:
+            r = x - mx.take(centroids, idx) * norm16.astype(mx.float32)
+            signs = (r @ qjl_matrix(self.seed, d).T) >= 0
+            gamma = mx.sqrt(mx.sum(r * r, axis=-1, keepdims=True)).astype(STORE_DTYPE)
+            parts += (pack_bits(signs, 1), gamma)
+        return parts
+
+    def decode(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
+        d = self.head_dim(parts[0], kind)
+        bits = self.codebook_bits(kind)
+        centroids = mx.array(gaussian_codebook(bits)[0].astype(np.float32)) / math.sqrt(d)
+        x = mx.take(centroids, unpack_bits(parts[0], bits, d)) * parts[1].astype(mx.float32)
+        if kind == "k" and self.qjl:
+            signs = unpack_bits(parts[2], 1, d).astype(mx.float32) * 2 - 1
+            x = x + parts[3].astype(mx.float32) * (math.sqrt(math.pi / 2) / d) * (signs @ qjl_matrix(self.seed, d))
+        return x
+
+    def head_dim(self, codes: mx.array, kind: str) -> int:
+        """The head dim of packed codes: from the K/V shape the cache saw, else from the last block encoded (the
+        trial block of `check_head_dims`, a `roundtrip`)."""
+        if self._shape is not None:
+            return self._shape[2] if kind == "k" else self._shape[3]
+        return self.encoded_dims[kind]

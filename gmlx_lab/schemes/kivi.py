@@ -1,0 +1,57 @@
+"""The kivi scheme: K per channel, V per token, an fp16 recent window (Liu et al., arXiv 2402.02750).
+
+The cache is `cache/kivi.py` on the block base, which derives the byte formula, the policy rule and the audit;
+this module names the options and the label. Notebook 09 builds its own `my_kivi` to teach the block base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..cache.block import BlockScheme
+from ..cache.kivi import KIVI_BITS, V_GROUP, KiviCache
+from ..registry import Option, register_scheme
+
+OPTIONS = (
+    Option("bits", 2, "code width for K and V", KIVI_BITS),
+    Option("k_bits", None, "code width for K (default: bits)", KIVI_BITS),
+    Option("v_bits", None, "code width for V (default: bits)", KIVI_BITS),
+    Option("kv_tail_tokens", 128, "newest tokens kept fp16 (HF's residual_length)"),
+    Option("sink_tokens", 0, "first tokens kept fp16"),
+)
+
+
+def split_widths(values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """K and V widths: `k_bits`/`v_bits` where given, else `bits`."""
+    return {**values, **{name: given.get(name) if given.get(name) is not None else values["bits"]
+                         for name in ("k_bits", "v_bits")}}
+
+
+def with_sink(label: str, values: dict[str, Any]) -> str:
+    """A label with the fp16 sink named when there is one."""
+    return label + (f" sink={values['sink_tokens']}" if values.get("sink_tokens") else "")
+
+
+@dataclass(frozen=True)
+class KiviScheme(BlockScheme):
+    """K and V widths apart (`kivi:k2v4`), like kvarn's."""
+
+    def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        return split_widths(values, given)
+
+    def label(self, values: dict[str, Any]) -> str:
+        """`kivi2 tail=128`, `kivi k2v4 tail=128 sink=4`."""
+        return with_sink(super().label(values), values)
+
+    def bytes_per_token(self, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
+        """Bytes per encoded token and head (the block base's formula, closed): K dk * (k_bits / 8 + 4 / 32), codes
+        plus an fp16 scale and offset per channel and block of 32 tokens; V dv * (v_bits / 8 + 4 / 32), codes plus
+        an fp16 scale and offset per 32 channels."""
+        block = self.cache_class.block_tokens
+        return k_dim * (options["k_bits"] / 8 + 4 / block) + v_dim * (options["v_bits"] / 8 + 4 / V_GROUP)
+
+
+SCHEME = register_scheme(KiviScheme(
+    "kivi", "KIVI: K per channel over blocks of 32 tokens, V per token in groups of 32 channels, fp16 recent window",
+    OPTIONS, cache_class=KiviCache, color="#8c564b"))
