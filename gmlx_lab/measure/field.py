@@ -36,14 +36,15 @@ __all__ = ["CASES", "DECODE", "FIELD_SPECS", "KINDS", "PASSKEY_DEPTHS", "PASSKEY
 
 # The schemes of the side by side, as specs. Widths and presets follow what each scheme's own project ships:
 # affine_rot is llama.cpp's default since April 2026 (PR 21038, Hadamard rotation before q4_0/q8_0); kvarn keeps
-# its default 1024-token fp16 tail (so at 1K tokens it stores nothing quantized: equal memory says so).
+# its default 1024-token fp16 tail (so at 1K tokens it stores nothing quantized: equal memory says so), and at
+# KIVI's 128-token window too.
 FIELD_SPECS: tuple[str, ...] = (
     "fp16",
     "affine4", "affine2",
     "affine_rot4", "affine_rot2",
-    "kvarn2", "kvarn4", "kvarn6",
+    "kvarn2", "kvarn4", "kvarn6", "kvarn2:tail=128", "kvarn4:tail=128",
     "turboquant4", "turboquant:k3v4", "turboquant3", "turboquant4:qjl=1", "turboquant:k3v4,qjl=1", "turboquant3:qjl=1",
-    "mxfp4", "nvfp4", "mxfp8", "mxfp4:rot=1", "nvfp4:rot=1", "mxfp8:rot=1",
+    "mxfp4", "nvfp4", "mxfp8", "mxfp4_rot", "nvfp4_rot", "mxfp8_rot",
     "kivi2", "kivi4",
 )
 
