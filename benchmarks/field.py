@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--report", action="store_true", help="assemble results/field-<machine>.json")
     parser.add_argument("--models", default="", help="with --all: only these models (comma-separated)")
     parser.add_argument("--kinds", default="", help=f"with --all: only these kinds ({', '.join(KINDS)})")
+    parser.add_argument("--policies", default="", help="with --all: only these layer policies (default,all)")
     parser.add_argument("--lengths", default="", help="with --all: only these lengths in tokens (1024,4096)")
     parser.add_argument("--force", action="store_true", help="run pieces already done again")
     parser.add_argument("--seconds", type=float, default=None, help="start no piece after this many seconds")
@@ -211,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         return run(args.piece, args.force, args.seconds, argv)
     models = {m for m in args.models.split(",") if m} or {c.model for c in CASES}
     kinds = {k for k in args.kinds.split(",") if k} or set(KINDS)
+    policies = {p for p in args.policies.split(",") if p} or {c.policy for c in CASES}
     lengths = {int(n) for n in args.lengths.split(",") if n} or {c.length for c in CASES}
     todo, _ = pieces()
-    names = [p.name for p in todo if p.case.model in models and p.kind in kinds and p.case.length in lengths]
+    names = [p.name for p in todo if p.case.model in models and p.kind in kinds and p.case.length in lengths
+             and p.case.policy in policies]
     return run(names, args.force, args.seconds, argv)
 
 

@@ -32,7 +32,7 @@ from .metrics import wilson_interval
 from .sizes import layer_shapes, policy_bytes
 
 __all__ = ["CASES", "DECODE", "FIELD_SPECS", "KINDS", "PASSKEY_DEPTHS", "PASSKEY_KEYS", "POLICIES", "Case", "Piece",
-           "field_rows", "pieces", "run_piece"]
+           "case_rows", "field_rows", "pieces", "run_piece"]
 
 # The schemes of the side by side, as specs. Widths and presets follow what each scheme's own project ships:
 # affine_rot is llama.cpp's default since April 2026 (PR 21038, Hadamard rotation before q4_0/q8_0); kvarn keeps
@@ -185,3 +185,17 @@ def field_rows(reports: dict[str, Any] | Iterable[dict[str, Any]]) -> list[dict[
                             "kind": piece["kind"], "machine": piece["machine"]["tag"], **row})
     return out
 
+
+
+def case_rows(rows: list[dict[str, Any]], model: str, policy_name: str, length: int, kind: str) -> list[dict[str, Any]]:
+    """The rows of one case and kind, from one machine (the one that measured most of its schemes; a GPU before the
+    CPU on a tie), in the order of FIELD_SPECS. Empty when no report holds the case."""
+    found = [r for r in rows if (r["model"], r["policy"], r["length"], r["kind"]) == (model, policy_name, length, kind)]
+    if not found:
+        return []
+    count: dict[str, int] = {}
+    for r in found:
+        count[r["machine"]] = count.get(r["machine"], 0) + 1
+    machine = max(count, key=lambda m: (count[m], m != "cpu"))
+    order = {spec: i for i, spec in enumerate(FIELD_SPECS)}
+    return sorted((r for r in found if r["machine"] == machine), key=lambda r: order.get(r["spec"], len(order)))
