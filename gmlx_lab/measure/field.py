@@ -24,15 +24,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..policy import policy
-from ..registry import BASELINE
+from ..registry import BASELINE, SCHEMES, get_scheme
 from ..specs import parse_scheme_spec, scheme_label
 from .experiments import passkey
 from .fidelity import fidelity
 from .metrics import wilson_interval
 from .sizes import layer_shapes, policy_bytes
+from .tradeoff import TradeoffPoint
 
 __all__ = ["CASES", "DECODE", "FIELD_SPECS", "KINDS", "PASSKEY_DEPTHS", "PASSKEY_KEYS", "POLICIES", "Case", "Piece",
-           "case_rows", "field_rows", "pieces", "run_piece"]
+           "case_rows", "field_points", "field_rows", "matchups", "pieces",
+           "run_piece"]
 
 # The schemes of the side by side, as specs. Widths and presets follow what each scheme's own project ships:
 # affine_rot is llama.cpp's default since April 2026 (PR 21038, Hadamard rotation before q4_0/q8_0); kvarn keeps
@@ -199,3 +201,31 @@ def case_rows(rows: list[dict[str, Any]], model: str, policy_name: str, length: 
     machine = max(count, key=lambda m: (count[m], m != "cpu"))
     order = {spec: i for i, spec in enumerate(FIELD_SPECS)}
     return sorted((r for r in found if r["machine"] == machine), key=lambda r: order.get(r["spec"], len(order)))
+
+
+def field_points(rows: list[dict[str, Any]]) -> list[TradeoffPoint]:
+    """The fidelity rows of one case as equal-memory points (gmlx_lab.measure.tradeoff), for `versus` and friends;
+    rows of schemes not registered here are left out."""
+    out = []
+    for r in rows:
+        if r["kind"] != "fidelity" or r["scheme"] not in SCHEMES:
+            continue
+        scheme, options = parse_scheme_spec(r["spec"])
+        values = get_scheme(scheme).resolve(**options)
+        bits = get_scheme(scheme).bits(values)
+        kb, vb = (bits["k"], bits["v"]) if isinstance(bits, dict) else (bits, bits)
+        out.append(TradeoffPoint(r["model"], r["label"], scheme, kb, vb, values.get("kv_tail_tokens"), r["length"],
+                                 r["bytes_per_token"], r["fp16_bytes_per_token"], float(r["decode_median_kl"])))
+    return out
+
+
+def matchups(points: list[TradeoffPoint], ours: str, within: float = 0.05) -> list[tuple[TradeoffPoint, TradeoffPoint]]:
+    """(ours, theirs) pairs at equal memory: for each point of another scheme, the `ours` point nearest in bytes per
+    token, where the two differ by at most `within` x fp16's bytes per token. Points with KL 0 are left out."""
+    mine = [p for p in points if p.scheme == ours and p.kl > 0]
+    pairs = []
+    for theirs in (p for p in points if p.scheme not in (ours, BASELINE) and p.kl > 0):
+        near = sorted(mine, key=lambda p: abs(p.bytes_per_token - theirs.bytes_per_token))
+        if near and abs(near[0].bytes_per_token - theirs.bytes_per_token) <= within * theirs.fp16_bytes_per_token:
+            pairs.append((near[0], theirs))
+    return pairs
