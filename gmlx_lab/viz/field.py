@@ -61,8 +61,8 @@ def scheme_idea(k: np.ndarray, v: np.ndarray, spec: str) -> SchemeIdea:
     scheme = get_scheme(name)
     cache = scheme.make_cache(scheme.resolve(**options), layer=0)
     tokens = k.shape[0]
-    kx = mx.array(k, dtype=mx.float16)[None, None]
-    vx = mx.array(v, dtype=mx.float16)[None, None]
+    kx = mx.array(np.ascontiguousarray(k, np.float32)).astype(mx.float16)[None, None]
+    vx = mx.array(np.ascontiguousarray(v, np.float32)).astype(mx.float16)[None, None]
     cache.update_and_fetch(kx[:, :, :-1], vx[:, :, :-1])
     keys, _ = cache.update_and_fetch(kx[:, :, -1:], vx[:, :, -1:])
     stored = np.array(kx[0, 0].astype(mx.float32))
@@ -169,7 +169,7 @@ def field_passkey_figure(rows: list[dict[str, Any]], title: str | None = None, h
     asked = sorted({r["asked"] for r in rows})
     fig.update_layout(**_LAYOUT, height=height, showlegend=False,
                       yaxis={"range": [-0.03, 1.08], "tickformat": ".0%", "title": "keys retrieved (Wilson 95%)"},
-                      xaxis={"type": "category", "tickangle": -40},
+                      xaxis={"type": "category", "tickangle": -40, "title": "scheme"},
                       title=title or f"{model}, {policy} policy: passkey at {length} tokens "
                                      f"({' / '.join(map(str, asked))} keys per scheme)")
     return fig
