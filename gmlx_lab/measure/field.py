@@ -19,6 +19,7 @@ and for fidelity also the resident bytes the cache really held (`nbytes`, growth
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,11 +135,13 @@ def run_piece(piece: Piece, model: Any, tokenizer: Any, tokens: Sequence[int] | 
     """Measure one piece: {"rows": one flat dict per scheme, "result": the measurement's own to_dict(), ...}."""
     case = piece.case
     overrides = POLICIES[case.policy]
-    runs = []
+    runs, kept = [], {}
     for spec in piece.specs:
         scheme, options = parse_scheme_spec(spec)
         chosen = policy(model, scheme, **overrides, **options)
         runs.append(spec if chosen.scheme == BASELINE or not overrides else chosen)
+        kept[spec] = {} if chosen.scheme == BASELINE else dict(Counter(  # why layers with K/V stayed fp16, counted
+            d.reason.split(":")[0] for d in chosen.layers if d.k_head_dim and d.decision == BASELINE))
     sizes = {spec: _bytes_per_token(model, spec, case) for spec in piece.specs}
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -154,7 +157,8 @@ def run_piece(piece: Piece, model: Any, tokenizer: Any, tokens: Sequence[int] | 
                          "resident_bytes_per_token": s.audit.resident / case.length,
                          "quantized_layers": s.quantized_layers, "decode_median_kl": s.decode_median_kl,
                          "decode_mean_kl": s.decode_mean_kl, "decode_p99_kl": s.decode_p99_kl, "top1": s.top1,
-                         "perplexity": s.perplexity, "reference_perplexity": result.reference_perplexity})
+                         "perplexity": s.perplexity, "reference_perplexity": result.reference_perplexity,
+                         "kept_fp16": kept[spec]})
         body = result.to_dict(per_position=False)
     elif piece.kind == "passkey":
         result = passkey(model, tokenizer, runs, [case.length], PASSKEY_DEPTHS, keys_per_cell=PASSKEY_KEYS,
@@ -166,7 +170,7 @@ def run_piece(piece: Piece, model: Any, tokenizer: Any, tokens: Sequence[int] | 
             formula, fp16 = sizes[spec]
             rows.append({"spec": spec, "label": scheme_label(*parse_scheme_spec(spec)), "scheme": piece.family,
                          "bytes_per_token": formula, "fp16_bytes_per_token": fp16, "hits": hits, "asked": asked,
-                         "accuracy": hits / asked, "wilson_low": low, "wilson_high": high})
+                         "accuracy": hits / asked, "wilson_low": low, "wilson_high": high, "kept_fp16": kept[spec]})
         body = result.to_dict()
     else:
         raise ValueError(f"unknown kind {piece.kind!r}; accepted: {', '.join(KINDS)}")
