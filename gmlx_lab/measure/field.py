@@ -34,7 +34,7 @@ from .sizes import layer_shapes, policy_bytes
 from .tradeoff import TradeoffPoint
 
 __all__ = ["CASES", "DECODE", "FIELD_SPECS", "KINDS", "PASSKEY_DEPTHS", "PASSKEY_KEYS", "POLICIES", "Case", "Piece",
-           "case_rows", "field_points", "field_rows", "matchups", "pieces",
+           "case_rows", "family_of", "field_points", "field_rows", "matchups", "pieces",
            "run_piece"]
 
 # The schemes of the side by side, as specs. Widths and presets follow what each scheme's own project ships:
