@@ -11,6 +11,9 @@ WarpStateStats and SourceCounters (PC sampling at ncu's automatic interval),
 leaving the clocks as they are. The report is read with ncu's Python interface (or, failing that, its CSV pages):
 per kernel the duration, the samples by stall reason, and the instructions with the most samples, each with its
 SASS text and its samples by reason; `by_opcode` sums them per opcode (LOP3, SHF, HMMA, LDS, ...).
+Every sampled instruction (address, SASS text, samples) also goes to <reports>/<impl>-<context>-<kernel>.pcs.json:
+MLX 0.32 compiles custom kernels without line info and keeps them in memory only, so the lines come from
+`stall_lines.py`, which maps these addresses onto a build of the same kernel text with line info.
 A sample names what kept its warp from issuing in that cycle ("selected": it issued). The reasons, briefly:
 long_scoreboard (waits on a global/local memory result), short_scoreboard (shared memory, MUFU, shuffles),
 wait (a fixed-latency dependency), math_pipe_throttle (the pipe is busy), mio_throttle / lg_throttle
@@ -104,7 +107,8 @@ def opcode(sass: str) -> str:
 
 
 def read_report(module: Any, path: Path, top: int) -> list[dict[str, Any]]:
-    """Per kernel of the report: duration, samples by reason, the top instructions, samples by opcode."""
+    """Per kernel of the report: duration, samples by reason, the top instructions, samples by opcode, and every
+    sampled instruction (`all_instructions`)."""
     ctx = module.load_report(str(path))
     kernels = []
     for r in range(ctx.num_ranges()):
@@ -152,6 +156,7 @@ def read_report(module: Any, path: Path, top: int) -> list[dict[str, Any]]:
             row["by_opcode"] = dict(sorted(((op, dict(v)) for op, v in by_op.items()),
                                            key=lambda kv: -sum(kv[1].values())))
             row["instructions"] = rows[:top]
+            row["all_instructions"] = [{"pc": x["pc"], "sass": x["sass"], "samples": x["samples"]} for x in rows]
             row["instructions_sampled"] = len(rows)
             row["reasons"] = dict(sorted(row["reasons"].items(), key=lambda kv: -kv[1]))
             kernels.append(row)
@@ -186,6 +191,7 @@ def csv_summary(text: str, top: int) -> list[dict[str, str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", nargs=2, metavar=("IMPL", "TOKENS"), help=argparse.SUPPRESS)
+    ap.add_argument("--read", nargs=2, metavar=("REPORT", "JSON"), help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="fused_kvarn6,fused_kvarn4,fp16_sdpa")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--warm", type=int, default=5)
@@ -199,28 +205,42 @@ def main() -> None:
         return
     ncu = ncu_binary()
     module = report_module(ncu)
+    if args.read:
+        report, out = args.read
+        Path(out).write_text(json.dumps(read_report(module, Path(report), args.top)))
+        return
     Path(args.reports).mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    me = [sys.executable, str(Path(__file__).resolve())]
     cases = []
     for tokens in map(int, args.contexts.split(",")):
         for impl in args.impls.split(","):
             rep = Path(args.reports) / f"{impl}-{tokens}"
-            cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--section", "WarpStateStats",
+            case: dict[str, Any] = {"impl": impl, "context": tokens}
+            cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none",
+                   "--section", "WarpStateStats",
                    "--section", "SourceCounters", "--section", "LaunchStats", "--section", "Occupancy",
                    "--section", "SpeedOfLight", "-f", "-o", str(rep),
-                   sys.executable, str(Path(__file__).resolve()), "--child", impl, str(tokens),
-                   "--warm", str(args.warm)]
+                   *me, "--child", impl, str(tokens), "--warm", str(args.warm)]
             t0 = time.perf_counter()
-            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])})
-            case: dict[str, Any] = {"impl": impl, "context": tokens, "seconds": round(time.perf_counter() - t0, 1)}
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            case["seconds"] = round(time.perf_counter() - t0, 1)
             path = rep.with_suffix(".ncu-rep")
             if res.returncode or not path.exists():
                 case["error"] = (res.stdout[-1500:] + res.stderr[-2500:]).strip()
             else:
-                try:
+                try:  # read in a process of its own: a crash of the reader loses one case, not the run
                     if module is None:
                         raise RuntimeError("no ncu_report module")
-                    case["kernels"] = read_report(module, path, args.top)
+                    out = rep.with_suffix(".json")
+                    rd = subprocess.run([*me, "--read", str(path), str(out), "--top", str(args.top)],
+                                        capture_output=True, text=True, env=env)
+                    if rd.returncode or not out.exists():
+                        raise RuntimeError(f"reader exit {rd.returncode}: {rd.stderr[-1500:]}")
+                    case["kernels"] = json.loads(out.read_text())
+                    for k in case["kernels"]:  # every sampled instruction, for a reading by offset elsewhere
+                        (Path(args.reports) / f"{impl}-{tokens}-{k['kernel'][:60]}.pcs.json").write_text(
+                            json.dumps(k.pop("all_instructions")))
                 except Exception as err:  # noqa: BLE001
                     case["report_error"] = f"{type(err).__name__}: {err}"
                     pages = csv_pages(ncu, path)

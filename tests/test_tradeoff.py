@@ -48,9 +48,9 @@ def test_crossover_is_where_the_real_caches_cross(model) -> None:
         tradeoff.crossover(model, "kvarn4", "affine4", max_context=0)
 
 
-def test_gemma_crosses_at_the_same_contexts() -> None:
+def test_gemma_crosses_at_the_same_contexts(gemma: dict) -> None:
     """Notebook 06's Gemma claim: its quantized global layers follow the same per-value arithmetic."""
-    gemma = gmlx_lab.load("gemma3-270m")[0]
+    gemma = gemma["model"]  # the session's Gemma (tests/conftest.py): loading it again costs a minute on CI
     assert tradeoff.crossover(gemma, "kvarn4:tail=128", "affine8") == 1025
     assert tradeoff.crossover(gemma, "kvarn4:tail=128", "affine4") == 35713
 

@@ -158,6 +158,11 @@ def reset() -> None:
     forget_kernels()
 
 
+def results() -> dict[str, CheckResult]:
+    """The self-checks run so far in this process, by kernel (none run here)."""
+    return dict(_results)
+
+
 def report() -> list[CheckResult] | None:
     """Every kernel's self-check (running those not yet run), or None on the CPU, where no kernel runs."""
     if active_backend() == "cpu":

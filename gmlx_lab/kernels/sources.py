@@ -62,8 +62,8 @@ CUDA_DEFINES: dict[str, dict[str, int]] = {}
 
 def cuda_name(name: str) -> str:
     """The name MLX gets for kernel `name` on CUDA: gmlx_<name>_<hash of its text>. MLX keeps compiled CUDA
-    kernels by name, in the process and on disk (MLX_PTX_CACHE_DIR, else a temporary folder), so a text that
-    changes (another version of gmlx_lab, a constant of CUDA_DEFINES, a test's edit) must change the name."""
+    kernels by name (custom kernels in the process only, in MLX 0.32), so a text that changes (another version
+    of gmlx_lab, a constant of CUDA_DEFINES, a test's edit) must change the name."""
     text = "".join(compact(part) for part in assemble(name, "cuda"))
     return f"gmlx_{name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
