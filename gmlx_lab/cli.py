@@ -76,7 +76,7 @@ def scheme_list(text: str, extra: tuple[str, ...] = ()) -> list[str]:
 
     Every spec is checked against the registry; names in `extra` (e.g. a benchmark's own baselines) pass as is.
     """
-    from .registry import SCHEMES
+    from .registry import spec_prefixes
     from .specs import parse_scheme_spec
 
     specs: list[str] = []
@@ -84,7 +84,7 @@ def scheme_list(text: str, extra: tuple[str, ...] = ()) -> list[str]:
         if not part:
             continue
         option = "=" in part or re.fullmatch(r"k\d+v\d+", part)
-        if specs and option and not any(part.startswith(name) for name in SCHEMES):
+        if specs and option and not any(part.startswith(word) for word, _, _ in spec_prefixes()):
             specs[-1] += "," + part  # an option of the previous scheme, e.g. "kvarn:k8v4,tail=128"
         else:
             specs.append(part)

@@ -37,7 +37,10 @@ def scaled_dot_product_attention(
     attend = getattr(cache, "attend", None)
     if attend is not None and sinks is None and cache.fetched(keys, values):
         return attend(queries, keys, values, scale=scale, mask=mask)
-    return MLX_LM_ATTENTION(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    # Our caches hand back decoded float K/V, so never mlx-lm's quantized path, which it takes for any cache with
+    # a `bits` attribute (a block scheme's options become attributes: kivi's, float's, a plug-in's `bits`).
+    native = None if attend is not None else cache
+    return MLX_LM_ATTENTION(queries, keys, values, cache=native, scale=scale, mask=mask, sinks=sinks)
 
 
 def install() -> None:

@@ -84,6 +84,8 @@ def test_argparse_errors_exit_2(argv):
 
 def test_scheme_list_keeps_options_with_their_scheme_and_rejects_unknown(capsys):
     assert cli.scheme_list("fp16,kvarn:k8v4,tail=128,affine4") == ["fp16", "kvarn:k8v4,tail=128", "affine4"]
+    assert cli.scheme_list("fp16,nvfp4_rot:tail=128,sink=4,turboquant:k3v4,qjl=1") == [
+        "fp16", "nvfp4_rot:tail=128,sink=4", "turboquant:k3v4,qjl=1"]  # spec words start a scheme too
     assert cli.main(["compare", "--schemes", "fp16,bogus", "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gmlx-lab: error: unknown scheme in 'bogus'") and "\n" not in err

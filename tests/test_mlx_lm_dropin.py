@@ -15,6 +15,11 @@ SCHEMES = [
     ("affine_rot", {"bits": 4}),
     ("kvarn", {"bits": 6, "kv_tail_tokens": 0}),
     ("kvarn", {"k_bits": 8, "v_bits": 4, "kv_tail_tokens": 64}),
+    ("turboquant", {"k_bits": 3, "v_bits": 4}),
+    ("turboquant", {"bits": 4, "qjl": 1, "sink_tokens": 4}),
+    ("float", {"bits": 4, "group_size": 16, "rotation": 1}),
+    ("float", {"bits": 8, "kv_tail_tokens": 64}),
+    ("kivi", {"k_bits": 4, "v_bits": 3, "kv_tail_tokens": 64}),
 ]
 
 

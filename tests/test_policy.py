@@ -70,6 +70,33 @@ def test_specimens_generate_with_policy_caches(family, scheme):
     assert all(c.n_records == 1 for c in kvarn_layers)  # 303 tokens, tail 0: sink + one record + live
 
 
+FIELD = {"turboquant": {"k_bits": 3, "v_bits": 4, "qjl": 1}, "float": {"bits": 4, "group_size": 16, "rotation": 1},
+         "kivi": {"bits": 2, "kv_tail_tokens": 32}}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_field_schemes_take_what_affine_takes_unless_the_head_dims_refuse(family):
+    """turboquant, float and kivi under the same rule: a subset of affine's layers, each layer left out with the
+    class's reason, and prefill + decode run on the caches with finite logits, blocks encoded."""
+    model = specimen(family)
+    affine = gmlx_lab.policy(model, "affine")
+    for scheme, options in FIELD.items():
+        cache = gmlx_lab.make_cache(model, scheme, quiet=True, **options)
+        p = cache.policy
+        for mine, theirs in zip(p.layers, affine.layers):
+            assert mine.decision in (scheme, "fp16") and (mine.decision == "fp16" or theirs.decision == "affine")
+            if mine.decision == "fp16" and theirs.decision == "affine" and theirs.grows:
+                assert "cannot encode" in mine.reason or "cannot rotate" in mine.reason, mine.reason
+        mx.random.seed(0)
+        logits = model(mx.random.randint(0, 200, (1, 100)), cache=cache)
+        for _ in range(2):
+            logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=cache)
+        assert mx.all(mx.isfinite(logits)).item(), scheme
+        mine = [c for d, c in zip(p.layers, cache) if d.decision == scheme]
+        assert all(c.n_blocks > 0 for c in mine), scheme
+        assert (f"{scheme}: reference decode path" in str(p)) == bool(mine)
+
+
 # -- overrides (exploration beyond gmlx's rule) ------------------------------------------------------
 
 

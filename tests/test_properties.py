@@ -1,7 +1,8 @@
 """Properties of every cache scheme, checked with hypothesis on inputs it draws (widths, tails, lengths, chunkings).
 
-fp16, affine and affine_rot (2/3/4/6/8 bits, group sizes 32/64/128) and kvarn (K and V widths 2..8 drawn
-apart, tails 0/1/128/200) each hold, on random K/V and through a small mlx-lm llama:
+fp16, affine and affine_rot (2/3/4/6/8 bits, group sizes 32/64/128), kvarn (K and V widths 2..8 drawn
+apart, tails 0/1/128/200) and the field's block schemes (turboquant, float, kivi: `field_specs`) each hold,
+on random K/V and through a small mlx-lm llama:
   - chunking: the stored form does not depend on how the tokens arrived, and through a model one chunk,
     random chunks and one token at a time give the same logits within the tolerances stated at each test;
   - causality: changing token t never changes the logits before t;
@@ -26,14 +27,17 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import pytest
 from conftest import random_kv, tiny_llama
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
 
 import gmlx_lab
-from gmlx_lab.cache import GmlxCache
+from gmlx_lab.cache import BlockCache, GmlxCache
+from gmlx_lab.cache.block import block_regions
+from gmlx_lab.cache.kivi import KIVI_BITS
+from gmlx_lab.cache.turboquant import TURBOQUANT_BITS
 from gmlx_lab.records import SINK_TOKENS, TILE, region_tokens
 from gmlx_lab.registry import AFFINE_BITS, GROUP_SIZES, KVARN_BITS, get_scheme
 
@@ -75,6 +79,21 @@ class Spec(NamedTuple):
     def tail(self) -> int:
         return self.options.get("kv_tail_tokens", 0)
 
+    @property
+    def blocks(self) -> bool:
+        """A scheme on the block base (turboquant, float, kivi): encodes whole blocks once a later update came."""
+        return isinstance(self.make(), BlockCache)
+
+    @property
+    def low(self) -> int:
+        """Tokens after which a first record or block can be encoded (2 for schemes that quantize on arrival)."""
+        if self.scheme == "kvarn":
+            return SINK_TOKENS + TILE + self.tail + 1
+        if self.blocks:
+            c = self.make()
+            return c.sink_tokens + c.block_tokens + c.kv_tail_tokens + 1
+        return 2
+
     def __repr__(self) -> str:
         return f"{self.scheme}{self.options}"
 
@@ -90,7 +109,26 @@ def specs(quantized_kv_start: bool = True, norm_iters: tuple[int, ...] = (2, 16)
                                                         "norm_iters": i}),
                       st.sampled_from(KVARN_BITS), st.sampled_from(KVARN_BITS), st.sampled_from(TAILS),
                       st.sampled_from(norm_iters))
-    return st.one_of(fp16, affine, kvarn, kvarn)  # kvarn twice: it has the most geometry
+    return st.one_of(fp16, affine, kvarn, kvarn, field_specs())  # kvarn twice: it has the most geometry
+
+
+FLOAT_FORMATS = ({"bits": 4, "group_size": 32}, {"bits": 4, "group_size": 16}, {"bits": 8, "group_size": 32})
+
+
+def field_specs() -> st.SearchStrategy[Spec]:
+    """The field's block schemes: turboquant (K/V widths apart, QJL or not), float (every format, rotated or
+    not) and kivi (K/V widths apart), each with fp16 tails and sinks drawn."""
+    tails, sinks = st.sampled_from(TAILS), st.sampled_from([0, 4])
+    turboquant = st.builds(lambda k, v, q, t, s: Spec("turboquant", {"k_bits": k, "v_bits": v, "qjl": q,
+                                                                     "kv_tail_tokens": t, "sink_tokens": s}),
+                           st.sampled_from(TURBOQUANT_BITS), st.sampled_from(TURBOQUANT_BITS), st.sampled_from([0, 1]),
+                           tails, sinks)
+    floats = st.builds(lambda f, r, t, s: Spec("float", {**f, "rotation": r, "kv_tail_tokens": t, "sink_tokens": s}),
+                       st.sampled_from(FLOAT_FORMATS), st.sampled_from([0, 1]), tails, sinks)
+    kivi = st.builds(lambda k, v, t, s: Spec("kivi", {"k_bits": k, "v_bits": v, "kv_tail_tokens": t,
+                                                      "sink_tokens": s}),
+                     st.sampled_from(KIVI_BITS), st.sampled_from(KIVI_BITS), tails, sinks)
+    return st.one_of(turboquant, floats, kivi)
 
 
 def lengths(low: int, high: int, tail: int = 0) -> st.SearchStrategy[int]:
@@ -177,6 +215,7 @@ def test_stored_form_does_not_depend_on_chunking(case, data):
     feed(split, k, v, chunks)
     if spec.scheme == "kvarn":
         assert split.region_tokens() == region_tokens(total, spec.tail, newest=chunks[-1])
+    if spec.scheme == "kvarn" or spec.blocks:
         whole.seal()
         split.seal()
     assert_same_state(whole, split)
@@ -194,7 +233,7 @@ def test_trim_then_continue_equals_never_seeing_the_tokens(case, data):
     chunks = data.draw(chunkings(total - 1), "chunks")
     k, v = kv(total + 40, seed=total)
     latest = chunks[-1]
-    limit = latest if spec.scheme == "kvarn" else total - 1
+    limit = latest if spec.scheme == "kvarn" or spec.blocks else total - 1
     start = spec.options.get("quantized_kv_start", 0)
     if start and total - 1 >= start:  # affine has quantized: keep at least quantized_kv_start tokens
         limit = min(limit, total - 1 - start)
@@ -203,6 +242,11 @@ def test_trim_then_continue_equals_never_seeing_the_tokens(case, data):
     trimmed = spec.make()
     feed(trimmed, k, v, chunks)
     assert trimmed.trim(r) == r and trimmed.offset == total - 1 - r
+    if spec.blocks:  # blocks encoded when the trimmed update arrived stay encoded (the base cannot restore them):
+        # compare only where a cache that never saw the r tokens holds those blocks encoded too after X
+        c = trimmed
+        never_body = block_regions(total - 1 - r + more, c.block_tokens, c.sink_tokens, c.kv_tail_tokens, more)
+        assume(trimmed.region_tokens()["body"] <= never_body["body"])
     # X, the same new tokens for both, follows the kept tokens
     x_k, x_v = k[:, :, total:total + more], v[:, :, total:total + more]
     got = trimmed.update_and_fetch(x_k, x_v)
@@ -252,7 +296,7 @@ def test_trim_beyond_what_can_be_rolled_back_is_refused_and_changes_nothing(case
     for bad in (-1, 1.5, "3", True):
         with pytest.raises(ValueError, match="layer 4: trim"):
             cache.trim(bad)
-    if spec.scheme == "kvarn":
+    if spec.scheme == "kvarn" or spec.blocks:
         cache.seal()
         twin.seal()
         regions = cache.region_tokens()
@@ -402,6 +446,8 @@ def bad_values(option: Any) -> st.SearchStrategy:
 
 CONSTRUCTOR_OPTIONS = [(s, o) for s in ("affine", "affine_rot") for o in ("bits", "group_size", "quantized_kv_start")]
 CONSTRUCTOR_OPTIONS += [("kvarn", o) for o in ("k_bits", "v_bits", "kv_tail_tokens", "norm_iters")]
+CONSTRUCTOR_OPTIONS += [(s, o) for s in ("turboquant", "float", "kivi") for o in get_scheme(s).defaults()
+                        if o not in ("kv_tail_tokens", "sink_tokens")]  # geometry: BlockCache's own check
 
 
 @examples(40)
@@ -411,8 +457,8 @@ def test_every_bad_constructor_option_is_a_named_error(which, data):
     scheme, name = which
     option = get_scheme(scheme).option(name)
     value = data.draw(bad_values(option), "value")
-    options = {"fp16": {}, "affine": {}, "affine_rot": {"rotate": True}, "kvarn": {}}[scheme]
-    cls = gmlx_lab.KVarNCache if scheme == "kvarn" else gmlx_lab.AffineCache
+    options = {"affine_rot": {"rotate": True}}.get(scheme, {})
+    cls = gmlx_lab.AffineCache if scheme.startswith("affine") else get_scheme(scheme).cache_class
     with pytest.raises(ValueError, match=f"layer 2: {scheme}: .*{re.escape(f'{name}={value!r}')}") as exc:
         cls(**options, **{name: value}, layer=2)
     assert option.accepted() in str(exc.value)
@@ -439,11 +485,15 @@ def model_logits(model: Any, tokens: mx.array, spec: Spec, chunks: list[int]) ->
     return result
 
 
-def records_seen(chunks: list[int], tail: int) -> list[int]:
-    """For each position, the tokens its query sees as kvarn records: those sealed before its update."""
-    seen, start = [], 0
+def records_seen(chunks: list[int], spec: Spec) -> list[int]:
+    """For each position, the tokens its query sees as kvarn records (or encoded blocks): those sealed before its
+    update."""
+    seen, start, c = [], 0, spec.make()
     for n in chunks:
-        seen += [region_tokens(start + n, tail, newest=n)["body"]] * n
+        if spec.scheme == "kvarn":
+            seen += [region_tokens(start + n, spec.tail, newest=n)["body"]] * n
+        else:
+            seen += [block_regions(start + n, c.block_tokens, c.sink_tokens, c.kv_tail_tokens, newest=n)["body"]] * n
         start += n
     return seen
 
@@ -464,16 +514,16 @@ def test_chunking_invariance_through_a_model(small, spec, data):
     affine: every token is quantized on arrival, so the codes are the same too, except where float32 rounding
     (which depends on the chunking) moves a layer-1 value across a code boundary: we allow 1e-3 plus 5% of the
     scheme's own distance from fp16 (measured: 0.3% at 2 bits, 2.5% at 8 bits).
-    kvarn: a query reads as records only what was sealed before its update, so A (nothing sealed before the
-    chunk) and each run up to its first record equal F to float rounding. B and T agree at every position
-    before the first one whose query sees a different set of records (geometry from records.region_tokens),
+    kvarn (and the block schemes, whose blocks seal like records): a query reads as records only what was
+    sealed before its update, so A (nothing sealed before the chunk) and each run up to its first record equal
+    F to float rounding. B and T agree at every position before the first one whose query sees a different set
+    of records (geometry from records.region_tokens, block_regions for the block schemes),
     to float rounding plus, as for affine, 5% of their distance from F (a layer-1 value that rounds to another
     fp16 number changes its record's codes; measured 1% at 2 bits). After it they may differ by what
     quantization changes, where one of them often reads a group in fp16 that the other reads as a record: we
     bound |B-T| by 1.5x the larger distance from F (measured up to 1.0002x in 80 examples).
     """
-    tail = spec.tail
-    low = SINK_TOKENS + TILE + tail + 1 if spec.scheme == "kvarn" else 2  # at least one record can seal
+    low = spec.low  # at least one record can seal
     total = data.draw(st.integers(low, low + 140), "total")
     mx.random.seed(total)
     tokens = mx.random.randint(0, 300, (1, total))
@@ -491,7 +541,7 @@ def test_chunking_invariance_through_a_model(small, spec, data):
         assert max_diff(a, b) <= tol and max_diff(a, t) <= tol, (max_diff(a, b), max_diff(a, t), tol)
     else:
         assert max_diff(a, f) <= FLOAT_TOL
-        seen_b, seen_t = records_seen(chunks, tail), records_seen(steps, tail)
+        seen_b, seen_t = records_seen(chunks, spec), records_seen(steps, spec)
         for run, seen in ((b, seen_b), (t, seen_t)):  # before a run's first record, it is the fp16 run
             clean = next((i for i in range(total) if seen[i]), total)
             assert max_diff(run[:, :clean], f[:, :clean]) <= FLOAT_TOL, clean
@@ -505,7 +555,7 @@ def test_chunking_invariance_through_a_model(small, spec, data):
 @given(spec=specs(norm_iters=(2,)), data=st.data())
 def test_changing_token_t_never_changes_earlier_logits(small, spec, data):
     """Exact: the logits before t are computed from the same numbers, whatever the scheme, chunking and t."""
-    low = SINK_TOKENS + TILE + spec.tail + 1 if spec.scheme == "kvarn" else 2
+    low = spec.low
     total = data.draw(st.integers(low, low + 100), "total")
     t = data.draw(st.integers(1, total - 1), "t")
     chunks = data.draw(chunkings(total, max_chunks=4), "chunks")
@@ -523,7 +573,7 @@ def test_changing_token_t_never_changes_earlier_logits(small, spec, data):
 def test_batch_rows_equal_single_rows_through_a_model(small, spec, data):
     """Batch 2 of different prompts against each alone: the batched matmuls round differently in float32, so
     the same tolerance as chunking (1e-3 plus, for quantized schemes, 5% of the scheme's distance from fp16)."""
-    low = SINK_TOKENS + TILE + spec.tail + 1 if spec.scheme == "kvarn" else 2
+    low = spec.low
     total = data.draw(st.integers(low, low + 60), "total")
     chunks = data.draw(chunkings(total, max_chunks=4), "chunks")
     mx.random.seed(total)
@@ -540,7 +590,10 @@ def test_batch_rows_equal_single_rows_through_a_model(small, spec, data):
 
 SCHEMES = [Spec("fp16", {}), Spec("affine", {"bits": 4}), Spec("affine", {"bits": 3, "quantized_kv_start": 8}),
            Spec("affine_rot", {"bits": 8, "group_size": 32}), Spec("kvarn", {"bits": 4, "kv_tail_tokens": 0}),
-           Spec("kvarn", {"k_bits": 8, "v_bits": 3, "kv_tail_tokens": 128})]
+           Spec("kvarn", {"k_bits": 8, "v_bits": 3, "kv_tail_tokens": 128}),
+           Spec("turboquant", {"k_bits": 3, "v_bits": 4, "qjl": 1, "sink_tokens": 4}), Spec("float", {"bits": 4}),
+           Spec("float", {"bits": 4, "group_size": 16, "rotation": 1, "kv_tail_tokens": 128}),
+           Spec("kivi", {"bits": 2})]
 
 
 @pytest.mark.parametrize("spec", SCHEMES, ids=repr)

@@ -15,8 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..registry import get_scheme
-from .block import BlockCache
+from .checked import CheckedBlockCache
 
 FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group_size) -> mx.quantize mode
 
@@ -29,19 +28,15 @@ def float_format(bits: int, group_size: int) -> str:
     return FORMATS[(bits, group_size)]
 
 
-class FloatCache(BlockCache):
+class FloatCache(CheckedBlockCache):
     """Each token's K/V row as microscaling floats (codes in uint32 words, one uint8 scale per group)."""
 
     scheme = "float"
     block_tokens = 32
 
     def __init__(self, layer: int | None = None, **options: Any):
-        super().__init__(layer, **options)
-        get_scheme(self.scheme).check(self.where(), **options)
-        try:
-            self.mode = float_format(self.bits, self.group_size)
-        except ValueError as err:
-            raise ValueError(f"{self.where()}: {err}") from None
+        super().__init__(layer, **options)  # the registry checks the (bits, group_size) pair (FloatScheme.adjust)
+        self.mode = float_format(self.bits, self.group_size)
 
     def rotate(self, x: mx.array) -> mx.array:
         return mx.hadamard_transform(x) if self.rotation else x

@@ -10,27 +10,20 @@ offsets fp16. The block base keeps the newest `kv_tail_tokens` tokens (default 1
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from ..registry import get_scheme
-from .block import BlockCache
+from .checked import CheckedBlockCache
 from .fp16 import STORE_DTYPE
 
 V_GROUP = 32  # channels of a V token sharing one scale and offset (KIVI's group size)
 KIVI_BITS = (2, 3, 4, 5, 6, 8)  # the widths mx.quantize's affine mode packs
 
 
-class KiviCache(BlockCache):
+class KiviCache(CheckedBlockCache):
     """K per channel over blocks of 32 tokens, V per token in groups of 32 channels, both affine codes."""
 
     scheme = "kivi"
     block_tokens = 32  # the tokens a K channel's scale and offset span (KIVI's group size)
-
-    def __init__(self, layer: int | None = None, **options: Any):
-        super().__init__(layer, **options)
-        get_scheme(self.scheme).check(self.where(), **options)
 
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array, mx.array]:
         """K: each channel across the block's tokens (one group); V: each token in groups of 32 channels."""

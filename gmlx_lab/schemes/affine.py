@@ -1,5 +1,7 @@
 """The affine schemes: mlx-lm's grouped N-bit quantization of each token's K/V row, and the same after a
-per-head Hadamard rotation (affine_rot, llama.cpp's attention rotation). The cache is `cache/affine.py`."""
+per-head Hadamard rotation (affine_rot, llama.cpp's attention rotation: llama.cpp Hadamard-rotates Q/K/V for
+every quantized KV cache type by default since April 2026, PR 21038, so affine_rot is that baseline). The cache
+is `cache/affine.py`."""
 
 from __future__ import annotations
 
@@ -70,5 +72,6 @@ AFFINE = register_scheme(AffineScheme(
     "affine", "mlx-lm's grouped affine quantization of each token's K/V row (--kv-bits)", OPTIONS,
     cache_class=AffineCache, color="#1f77b4"))
 AFFINE_ROT = register_scheme(AffineScheme(
-    "affine_rot", "affine after a per-head Hadamard rotation (llama.cpp's attention rotation)", OPTIONS,
+    "affine_rot", "affine after a per-head Hadamard rotation (llama.cpp's default for quantized KV since "
+    "April 2026, PR 21038)", OPTIONS,
     cache_class=AffineCache, color="#17becf", rotate=True))

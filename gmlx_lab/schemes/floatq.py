@@ -13,7 +13,7 @@ from typing import Any
 from ..cache.block import BlockScheme
 from ..cache.floatq import FORMATS, FloatCache, float_format
 from ..registry import Option, register_scheme
-from .kivi import with_sink
+from .field_options import with_sink
 
 OPTIONS = (
     Option("bits", 4, "value width: 4 (E2M1) or 8 (E4M3)", (4, 8)),

@@ -12,6 +12,7 @@ from typing import Any
 from ..cache.block import BlockScheme
 from ..cache.kivi import KIVI_BITS, V_GROUP, KiviCache
 from ..registry import Option, register_scheme
+from .field_options import split_widths, with_sink
 
 OPTIONS = (
     Option("bits", 2, "code width for K and V", KIVI_BITS),
@@ -20,17 +21,6 @@ OPTIONS = (
     Option("kv_tail_tokens", 128, "newest tokens kept fp16 (HF's residual_length)"),
     Option("sink_tokens", 0, "first tokens kept fp16"),
 )
-
-
-def split_widths(values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """K and V widths: `k_bits`/`v_bits` where given, else `bits`."""
-    return {**values, **{name: given.get(name) if given.get(name) is not None else values["bits"]
-                         for name in ("k_bits", "v_bits")}}
-
-
-def with_sink(label: str, values: dict[str, Any]) -> str:
-    """A label with the fp16 sink named when there is one."""
-    return label + (f" sink={values['sink_tokens']}" if values.get("sink_tokens") else "")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 from ..cache.block import BlockScheme
 from ..cache.turboquant import TURBOQUANT_BITS, TurboQuantCache
 from ..registry import Option, register_scheme
-from .kivi import split_widths, with_sink
+from .field_options import split_widths, with_sink
 
 OPTIONS = (
     Option("bits", 4, "code width for K and V", TURBOQUANT_BITS),
