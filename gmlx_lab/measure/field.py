@@ -34,7 +34,7 @@ from .sizes import layer_shapes, policy_bytes
 from .tradeoff import TradeoffPoint
 
 __all__ = ["CASES", "DECODE", "FIELD_SPECS", "KINDS", "PASSKEY_DEPTHS", "PASSKEY_KEYS", "POLICIES", "Case", "Piece",
-           "case_rows", "family_of", "field_points", "field_rows", "matchups", "pieces",
+           "case_rows", "family_of", "shares_prefill", "field_points", "field_rows", "matchups", "pieces",
            "run_piece"]
 
 # The schemes of the side by side, as specs. Widths and presets follow what each scheme's own project ships:
@@ -60,6 +60,7 @@ KINDS = ("fidelity", "passkey")
 DECODE = 64  # fidelity: decode tokens, one at a time through the cache, after a prefill of length - DECODE
 PASSKEY_DEPTHS = tuple(round(0.05 + 0.9 * i / 7, 4) for i in range(8))  # the needle after this share of filler
 PASSKEY_KEYS = 3  # keys per depth: 8 x 3 = 24 per scheme and length
+PREFILL_STEP = 2048  # tokens per prefill chunk (experiments.passkey's default)
 SEED = 0  # the same keys for every family (random_key draws in cell order)
 
 
@@ -121,6 +122,13 @@ def pieces(specs: Iterable[str] = FIELD_SPECS, cases: Iterable[Case] = CASES,
     return out, missing
 
 
+def shares_prefill(case: Case) -> bool:
+    """Whether a passkey case prefills once in fp16 and lets each scheme store those K/V (experiments.stored_prefix).
+    Not where sliding-window layers quantize and the context takes several prefill chunks: the fp16 rolling window
+    then holds fewer tokens than it has seen, so every scheme of the case prefills through its own cache."""
+    return not (POLICIES[case.policy].get("quantize_sliding") and case.length > PREFILL_STEP)
+
+
 def _bytes_per_token(model: Any, spec: str, case: Case) -> tuple[float, float]:
     """(the scheme's bytes per token at the case's length, fp16's), both from the byte formulas."""
     scheme, options = parse_scheme_spec(spec)
@@ -162,7 +170,7 @@ def run_piece(piece: Piece, model: Any, tokenizer: Any, tokens: Sequence[int] | 
         body = result.to_dict(per_position=False)
     elif piece.kind == "passkey":
         result = passkey(model, tokenizer, runs, [case.length], PASSKEY_DEPTHS, keys_per_cell=PASSKEY_KEYS,
-                         seed=SEED, progress=progress)
+                         seed=SEED, share_prefill=shares_prefill(case), progress=progress)
         for spec, label in zip(piece.specs, result.labels):
             hits = sum(t.correct for t in result.trials if t.label == label)
             asked = sum(1 for t in result.trials if t.label == label)
