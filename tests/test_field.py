@@ -72,3 +72,20 @@ def test_matchups_pair_equal_memory_only() -> None:
 def test_an_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown kind"):
         field.run_piece(field.Piece(field.CASES[0], "speed", "fp16", ("fp16",)), specimen("llama"), None, [1, 2])
+
+
+def test_a_shared_prefill_is_refused_where_a_rolling_window_dropped_tokens() -> None:
+    """Gemma-like layers with a 128-token window, prefilled in two chunks: the fp16 rolling window holds fewer tokens
+    than it has seen, so storing its K/V as one update would misplace them; stored_prefix says so, and the field
+    prefills through each scheme's own cache in such a case."""
+    from gmlx_lab.measure.experiments import prefill, stored_prefix
+    from gmlx_lab.policy import policy
+
+    model = specimen("gemma3")
+    reference = policy(model, "fp16").make_cache()
+    prefill(model, list(range(1, 301)), reference, step=150)
+    with pytest.raises(ValueError, match="share_prefill=False"):
+        stored_prefix(reference, policy(model, "affine", bits=4, **field.POLICIES["all"]))
+    assert not field.shares_prefill(field.Case("gemma3-270m", "all", 4096))
+    assert field.shares_prefill(field.Case("gemma3-270m", "all", 1024))
+    assert field.shares_prefill(field.Case("gemma3-270m", "default", 4096))
