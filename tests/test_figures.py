@@ -53,6 +53,23 @@ def _beyond(section: str) -> dict:
     return runs[section]["drafts"][0]["result"] if section == "draft" else runs[section]["result"]
 
 
+def _field_rows(kind: str) -> list[dict]:
+    """Rows of one field case (measure.field.field_rows' shape), one of them with KL 0."""
+    base = {"model": "toy", "policy": "default", "length": 1024, "kind": kind, "machine": "cpu",
+            "fp16_bytes_per_token": 4096.0}
+    rows = []
+    for i, (spec, label, scheme, share, kl) in enumerate([
+            ("fp16", "fp16", "fp16", 1.0, 0.0), ("affine4", "affine4 g64", "affine", 0.37, 4e-3),
+            ("kvarn4", "kvarn4 tail=1024", "kvarn", 1.0, 0.0), ("kivi2", "kivi2 tail=128", "kivi", 0.31, 2e-2),
+            ("turboquant4", "turboquant4", "turboquant", 0.36, 3e-3)]):
+        hits = 24 - 3 * i
+        low, high = gmlx_lab.measure.metrics.wilson_interval(hits, 24)
+        rows.append({**base, "spec": spec, "label": label, "scheme": scheme, "bytes_per_token": 4096 * share,
+                     "decode_median_kl": kl, "top1": 1 - kl, "hits": hits, "asked": 24, "accuracy": hits / 24,
+                     "wilson_low": low, "wilson_high": high})
+    return rows
+
+
 def _policies() -> list:
     return [gmlx_lab.policy(specimen(f), "kvarn") for f in ("llama", "gemma3", "deepseek_v3")]
 
@@ -124,6 +141,10 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "weights_kv_figure": lambda: [viz.weights_kv_figure(_beyond("weights_kv"))],
     "weights_kv_positions": lambda: [viz.weights_kv_positions(_beyond("weights_kv"), "8-bit")],
     "tradeoff_figure": lambda: [viz.tradeoff_figure(_tradeoff_points())],
+    "idea_figure": lambda: [viz.idea_figure(viz.scheme_idea(_k(), _k()[::-1], spec))
+                            for spec in ("affine4", "kvarn4:tail=0", "kivi2")],
+    "field_kl_figure": lambda: [viz.field_kl_figure(_field_rows("fidelity"))],
+    "field_passkey_figure": lambda: [viz.field_passkey_figure(_field_rows("passkey"))],
     "size_figure": lambda: [viz.size_figure(_size_curves(), SIZE_CONTEXTS,
                                             {"kvarn4 tail=128 < affine8": 1025, "kvarn4 tail=128 < affine4": 35713})],
     "published_vs_ours_figure": lambda: [viz.published_vs_ours_figure(viz.GMLX_KL_TABLE["rows"], _tradeoff_points())],

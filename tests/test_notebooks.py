@@ -14,7 +14,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 
 def test_the_notebooks_are_numbered() -> None:
-    assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(11)]
+    assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(12)]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -81,6 +81,10 @@ def stored_prefix(reference: PromptCache, chosen: Policy) -> PromptCache:
             out[i] = copy.deepcopy(ref)
         else:
             keys, values = ref.state[:2]
+            if keys.shape[-2] != ref.offset:  # a rolling window dropped tokens: positions would not line up
+                raise ValueError(f"layer {i}: the fp16 reference holds {keys.shape[-2]} of its {ref.offset} tokens "
+                                 "(a sliding window after a prefill of several chunks), so its K/V cannot be stored "
+                                 "as one update; prefill through each scheme's own cache (share_prefill=False)")
             out[i].update_and_fetch(keys, values)
     out.settle()
     return out

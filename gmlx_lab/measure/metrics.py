@@ -55,3 +55,21 @@ def perplexity_from_nll(nll: Sequence[float]) -> float:
     if not values:
         raise ValueError("perplexity needs at least one token")
     return math.exp(sum(values) / len(values))
+
+
+def wilson_interval(hits: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% for z=1.96) of a success rate `hits / trials`: (low, high).
+
+    Unlike the normal approximation it stays inside [0, 1] and is not empty at 0 or `trials` hits, which is
+    where a passkey run of a few dozen keys often lands (E. B. Wilson, JASA 1927).
+    """
+    if isinstance(hits, bool) or isinstance(trials, bool) or not all(isinstance(v, int) for v in (hits, trials)):
+        raise ValueError(f"wilson_interval needs integer counts, got hits={hits!r}, trials={trials!r}")
+    if trials < 1 or not 0 <= hits <= trials:
+        raise ValueError(f"wilson_interval needs 0 <= hits <= trials and trials >= 1, got {hits} of {trials}")
+    if z <= 0:
+        raise ValueError(f"z must be > 0, got {z}")
+    p, n, z2 = hits / trials, trials, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -14,6 +14,7 @@ from ..measure.sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from ..records import record_bytes
 from . import plotlyjs
 from .code import Source, source
+from .field import SchemeIdea, field_kl_figure, field_passkey_figure, idea_figure, scheme_idea
 from .figures import (
     REGION_COLORS,
     Table,
@@ -84,6 +85,7 @@ __all__ = [
     "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
 __all__ += ["Say", "say"]
+__all__ += ["SchemeIdea", "field_kl_figure", "field_passkey_figure", "idea_figure", "scheme_idea"]
 __all__ += ["context_ticks", "log_ticks"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
