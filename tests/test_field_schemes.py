@@ -260,12 +260,12 @@ def test_caches_built_by_hand_check_their_options_and_fill_defaults():
 
 
 def test_head_dims_a_scheme_cannot_encode_stay_fp16_with_the_reason():
-    """head_dim 80: no groups of 32 (float, kivi), and mx.hadamard_transform silently not orthogonal (turboquant,
-    and float with its rotation, whose groups of 16 would fit)."""
+    """head_dim 80: no groups of 32 (float, kivi), and a Hadamard transform that is not its own inverse
+    (gmlx_lab/rotation.py: turboquant, and float with its rotation, whose groups of 16 would fit)."""
     model = tiny_llama(layers=2, head_dim=80)
-    for spec, why in (("turboquant4", "cannot rotate K blocks of head_dim 80 (mx.hadamard_transform is not "
-                                      "orthogonal"),
-                      ("nvfp4_rot", "cannot rotate K blocks of head_dim 80"),
+    for spec, why in (("turboquant4", "cannot rotate K heads: head_dim 80 = 20 x 4: MLX's Hadamard transform at "
+                                      "this size is not its own inverse"),
+                      ("nvfp4_rot", "cannot rotate K heads: head_dim 80"),
                       ("mxfp4", "cannot encode K blocks of head_dim 80"),
                       ("kivi2", "cannot encode V blocks of head_dim 80")):
         name, options = parse_scheme_spec(spec)

@@ -28,7 +28,10 @@ class KiviCache(CheckedBlockCache):
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array, mx.array]:
         """K: each channel across the block's tokens (one group); V: each token in groups of 32 channels."""
         if kind == "k":
-            return mx.quantize(x.swapaxes(-1, -2).astype(STORE_DTYPE), group_size=self.block_tokens, bits=self.k_bits)
+            # row-contiguous first: a transposed view handed to mx.quantize is suspected of the wrong H200 results
+            # (docs/results.md); on the CPU both give the same codes
+            channels = mx.contiguous(x.swapaxes(-1, -2).astype(STORE_DTYPE))
+            return mx.quantize(channels, group_size=self.block_tokens, bits=self.k_bits)
         return mx.quantize(x.astype(STORE_DTYPE), group_size=V_GROUP, bits=self.v_bits)
 
     def decode(self, parts: tuple[mx.array, mx.array, mx.array], kind: str) -> mx.array:
