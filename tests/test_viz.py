@@ -62,7 +62,7 @@ def test_quant_error_orders() -> None:
     assert errs[0] > errs[1] > errs[2] > 0
     assert viz.quant_error(x, "affine_rot", 4) < viz.quant_error(x, "affine", 4)  # K has outlier channels
     assert viz.quant_error(x, "kvarn", 4) < errs[0]
-    with pytest.raises(ValueError, match="multiples of 128"):
+    with pytest.raises(ValueError, match="needs a multiple of 128 tokens"):
         viz.quant_error(x[:100], "kvarn", 4)
 
 
