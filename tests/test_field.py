@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gmlx_lab import viz
 from gmlx_lab.measure import field
 from gmlx_lab.measure.tradeoff import versus
 from gmlx_lab.models import specimen
 from gmlx_lab.registry import SCHEMES
+from gmlx_lab.viz.field import inline_labels
 
 
 def test_the_plan_covers_every_registered_scheme_and_case() -> None:
@@ -89,3 +91,14 @@ def test_a_shared_prefill_is_refused_where_a_rolling_window_dropped_tokens() -> 
     assert not field.shares_prefill(field.Case("gemma3-270m", "all", 4096))
     assert field.shares_prefill(field.Case("gemma3-270m", "all", 1024))
     assert field.shares_prefill(field.Case("gemma3-270m", "default", 4096))
+
+
+def test_crowded_labels_go_to_the_legend_and_free_ones_stay() -> None:
+    crowded = [(50.0, 1e-2, "affine4 g64"), (50.2, 1.05e-2, "affine_rot4 g64"), (50.1, 0.98e-2, "mxfp4")]
+    assert inline_labels(crowded, [0, 108]) == {2}  # the lowest KL is placed first, it covers the other two
+    apart = [(10.0, 1e-3, "kvarn4 tail=128"), (80.0, 1e-1, "affine2 g64")]
+    assert inline_labels(apart, [0, 108]) == {0, 1}
+    rows = field.field_rows(viz.benchmark_results("field-h200.json"))
+    fig = viz.field_kl_figure(field.case_rows(rows, "gemma3-270m", "default", 4096, "fidelity"))
+    named = [t for t in fig.data if t.text is not None]
+    assert 0 < len(named) < len(fig.data) and fig.layout.showlegend  # some labels inline, every scheme in the legend

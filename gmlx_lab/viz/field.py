@@ -23,7 +23,7 @@ from ..specs import parse_scheme_spec, scheme_label
 from .figures import BASELINE_LINE, LABEL_BACKGROUND
 from .style import log_ticks, num, scheme_color, trace_styles
 
-__all__ = ["SchemeIdea", "field_kl_figure", "field_passkey_figure", "idea_figure", "scheme_idea"]
+__all__ = ["SchemeIdea", "field_kl_figure", "inline_labels", "field_passkey_figure", "idea_figure", "scheme_idea"]
 
 _LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 70, "b": 50}}
 
@@ -105,7 +105,33 @@ def idea_figure(idea: SchemeIdea, height: int = 300) -> go.Figure:
     return fig
 
 
-def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height: int = 480) -> go.Figure:
+def inline_labels(points: list[tuple[float, float, str]], x_range: list[float], width_px: float = 760,
+                  height_px: float = 360) -> set[int]:
+    """Which points (share %, KL, label) keep their label beside the marker: lowest KL first, a label that would
+    cover a marker or a label already placed is left to the legend and the hover (plot size in pixels, estimated)."""
+    if not points:
+        return set()
+    logs = np.log10([kl for _, kl, _ in points])
+    span = max(float(logs.max() - logs.min()), 1.0)
+    x0, x1 = x_range
+
+    def at(x: float, log_kl: float) -> tuple[float, float]:
+        return (x - x0) / (x1 - x0) * width_px, (log_kl - logs.min()) / span * height_px * 0.9
+
+    centres = [at(x, lk) for (x, _, _), lk in zip(points, logs)]
+    taken = [(cx - 6, cy - 6, cx + 6, cy + 6) for cx, cy in centres]  # the markers
+    named = set()
+    for i in sorted(range(len(points)), key=lambda i: points[i][1]):
+        cx, cy = centres[i]
+        box = (cx + 8, cy - 7, cx + 8 + 6.2 * len(points[i][2]), cy + 7)
+        others = [t for j, t in enumerate(taken) if j != i]
+        if all(box[2] <= t[0] or t[2] <= box[0] or box[3] <= t[1] or t[3] <= box[1] for t in others):
+            named.add(i)
+            taken.append(box)
+    return named
+
+
+def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height: int = 600) -> go.Figure:
     """Decode median KL against cache bytes per token (share of fp16), one marker per scheme of one case; fp16 the
     dotted vertical line. Schemes with KL exactly 0 (nothing quantized at this length) are listed in the title."""
     if not rows or any(r["kind"] != "fidelity" for r in rows):
@@ -117,12 +143,15 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
     drawn = [r for r in rows if r["scheme"] != BASELINE and r["decode_median_kl"] > 0]
     zero = [r["label"] for r in rows if r["scheme"] != BASELINE and r["decode_median_kl"] <= 0]
     styles = trace_styles(r["label"] for r in drawn)
+    shares = [100 * r["bytes_per_token"] / r["fp16_bytes_per_token"] for r in drawn]
+    x_range = [max(0.0, 10 * np.floor(min(shares, default=0) / 10) - 10), 108]
+    named = inline_labels([(x, r["decode_median_kl"], r["label"]) for x, r in zip(shares, drawn)], x_range)
     fig = go.Figure()
-    for r in drawn:
-        share = 100 * r["bytes_per_token"] / r["fp16_bytes_per_token"]
+    for i, (share, r) in enumerate(zip(shares, drawn)):
         style = styles[r["label"]]
-        fig.add_scatter(x=[share], y=[r["decode_median_kl"]], mode="markers+text", name=r["label"],
-                        text=[r["label"]], textposition="middle right", textfont={"size": 10, "color": style["color"]},
+        fig.add_scatter(x=[share], y=[r["decode_median_kl"]], mode="markers+text" if i in named else "markers",
+                        name=r["label"], text=[r["label"]] if i in named else None, textposition="middle right",
+                        textfont={"size": 10, "color": style["color"]},
                         marker={"size": 10, "symbol": style["symbol"], "color": style["color"]},
                         hovertemplate=(f"{html.escape(r['label'])}: %{{x:.1f}}% of fp16 "
                                        f"({num(r['bytes_per_token'])} B/token), KL %{{y:.2e}} nats, top-1 "
@@ -135,8 +164,9 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
         fig.update_yaxes(type="log", **log_ticks(r["decode_median_kl"] for r in drawn))
     note = f"<br><sup>KL 0 (nothing quantized at {length} tokens), not drawn: {', '.join(zero)}</sup>" if zero else ""
     fig.update_layout(**{**_LAYOUT, "margin": {**_LAYOUT["margin"], "t": 95 if zero else 70}}, height=height,
-                      xaxis={"range": [0, 108], "title": "cache per token (% of fp16's bytes, sink and tail included)"},
-                      yaxis_title="decode median KL vs fp16 (nats)", showlegend=False,
+                      xaxis={"range": x_range, "title": "cache per token (% of fp16's bytes, sink and tail included)"},
+                      yaxis_title="decode median KL vs fp16 (nats)", showlegend=True,
+                      legend={"font": {"size": 10}, "tracegroupgap": 0},
                       title=(title or f"{model}, {policy} policy, {length} tokens: fidelity against memory") + note)
     return fig
 
