@@ -266,7 +266,8 @@ class RotatedAffineBlocks(AffineBlocks):
 @pytest.mark.parametrize("bits, group", [(2, 32), (3, 64), (4, 128), (6, 64), (8, 32)])
 def test_affine_as_a_block_scheme_stores_and_returns_what_affine_cache_does(bits, group, rotate):
     k, v = random_kv(60, seed=bits)
-    # fp16 values: the block base keeps arriving tokens in fp16 before it rotates them, AffineCache rotates first
+    # fp16 values: the block base keeps arriving tokens in fp16 before it rotates them, AffineRotCache rotates
+    # first (rotate_on_arrival)
     k, v = (x.astype(mx.float16).astype(mx.float32) for x in (k, v))
     ours = (RotatedAffineBlocks if rotate else AffineBlocks)(bits=bits, group_size=group)
     theirs = (AffineRotCache if rotate else AffineCache)(bits, group)
