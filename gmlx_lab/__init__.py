@@ -18,7 +18,7 @@ from . import (
     mlx_lm_hooks,
     schemes,  # noqa: F401  (registers the built-in schemes, and their cache classes in mlx-lm)
 )
-from .cache import AffineCache, BlockCache, BlockScheme, FP16Cache, KVarNCache
+from .cache import AffineCache, AffineRotCache, BlockCache, BlockScheme, FP16Cache, KVarNCache
 from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.memory etc., as before)
 from .measure.audit import audit
 from .measure.fidelity import fidelity
@@ -36,7 +36,7 @@ for _name in ("experiments", "fidelity", "memory", "metrics", "tradeoff"):
     sys.modules[f"{__name__}.{_name}"] = import_module(f"{__name__}.measure.{_name}")
 
 __all__ = [
-    "SCHEMES", "AffineCache", "BlockCache", "BlockScheme", "FP16Cache", "KVarNCache", "Option", "Policy",
-    "PromptCache", "Scheme", "audit", "available_models", "fidelity", "get_scheme", "load", "make_cache",
+    "SCHEMES", "AffineCache", "AffineRotCache", "BlockCache", "BlockScheme", "FP16Cache", "KVarNCache", "Option",
+    "Policy", "PromptCache", "Scheme", "audit", "available_models", "fidelity", "get_scheme", "load", "make_cache",
     "parse_scheme_spec", "policy", "register_scheme",
 ]

@@ -61,7 +61,7 @@ class Scheme:
     """A named way to store a layer's K/V cache. Subclass it and override what your scheme does differently.
 
     Every method has a default that fits a scheme whose options are named like the built-in ones (`bits`,
-    `k_bits`/`v_bits`, `kv_tail_tokens`); `make_cache` and `layer_bytes` have none.
+    `k_bits`/`v_bits`, `kv_tail_tokens`); `make_cache` builds `cache_class`; `layer_bytes` has none.
     """
 
     name: str
@@ -119,8 +119,10 @@ class Scheme:
 
     # -- what the rest of gmlx_lab asks ---------------------------------------------------------------
     def make_cache(self, options: dict[str, Any], layer: int | None = None) -> Any:
-        """One layer's cache, from options already resolved."""
-        raise NotImplementedError(f"scheme {self.name} has no cache factory")
+        """One layer's cache, from options already resolved: by default its class, given them by name."""
+        if self.cache_class is None:
+            raise NotImplementedError(f"scheme {self.name} has no cache class")
+        return self.cache_class(layer=layer, **options)
 
     def label(self, values: dict[str, Any]) -> str:
         """Short name such as `affine8 g64` or `kvarn k6v5 tail=1024`; by default name, width and tail."""

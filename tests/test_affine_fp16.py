@@ -5,7 +5,7 @@ import pytest
 from conftest import random_kv
 from mlx_lm.models.cache import QuantizedKVCache
 
-from gmlx_lab.cache import AffineCache, FP16Cache
+from gmlx_lab.cache import AffineCache, AffineRotCache, FP16Cache
 
 HEAD_DIMS = (64, 128, 256, 512)
 WIDTHS = (2, 3, 4, 6, 8)
@@ -29,7 +29,7 @@ def test_affine_every_width_and_head_dim_on_a_fresh_cache(bits, dim):
     for t in range(5):
         kk, vv = cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
     codes, scales, biases = mx.quantize(k.astype(mx.float16), group_size=32, bits=bits)
-    stored = [b.view(5) for b in cache.packed[0]]
+    stored = cache.body.k
     assert mx.array_equal(stored[0], codes) and mx.array_equal(stored[1], scales) and mx.array_equal(stored[2], biases)
     f32 = mx.float32
     assert mx.allclose(kk, mx.dequantize(codes, scales.astype(f32), biases.astype(f32), group_size=32, bits=bits))
@@ -50,7 +50,7 @@ def test_mlx_lm_quantized_cache_crashes_where_ours_works():
 @pytest.mark.parametrize("q_len", (1, 4))  # on the CPU: two quantized_matmul calls, then the dequantized codes
 def test_affine_attention_equals_attention_over_fetched(group, rotate, q_len):
     k, v = random_kv(300)
-    cache = AffineCache(bits=4, group_size=group, rotate=rotate)
+    cache = (AffineRotCache if rotate else AffineCache)(bits=4, group_size=group)
     cache.update_and_fetch(k[:, :, :300 - q_len], v[:, :, :300 - q_len])
     kk, vv = cache.update_and_fetch(k[:, :, 300 - q_len:], v[:, :, 300 - q_len:])
     q = mx.random.normal((1, 4, q_len, 128))
@@ -65,7 +65,7 @@ def test_rotation_lowers_affine_error_on_outlier_channels():
     k, _ = random_kv(256)
     errs = []
     for rotate in (False, True):
-        kk, _ = AffineCache(bits=3, rotate=rotate).update_and_fetch(k, k)
+        kk, _ = (AffineRotCache if rotate else AffineCache)(bits=3).update_and_fetch(k, k)
         errs.append(float(mx.mean((kk - k) ** 2)))
     assert errs[1] < errs[0] / 2, errs
 
@@ -78,7 +78,7 @@ def test_quantized_kv_start_keeps_fp16_until_threshold():
     cache.update_and_fetch(k[:, :, 150:], v[:, :, 150:])
     assert cache.quantized and cache.offset == 300
     codes, _, _ = mx.quantize(k.astype(mx.float16), group_size=64, bits=4)
-    assert mx.array_equal(cache.packed[0][0].view(300), codes)
+    assert mx.array_equal(cache.body.k[0], codes)
 
 
 def test_affine_errors():

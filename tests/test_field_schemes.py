@@ -12,7 +12,7 @@ import pytest
 from conftest import random_kv, tiny_llama
 
 import gmlx_lab
-from gmlx_lab.cache.affine import AffineCache
+from gmlx_lab.cache.affine import AffineRotCache
 from gmlx_lab.cache.floatq import FORMATS
 from gmlx_lab.cache.turboquant import gaussian_codebook, pack_bits, unpack_bits
 from gmlx_lab.registry import SCHEMES, get_scheme
@@ -304,7 +304,7 @@ def test_rotated_schemes_refuse_head_dims_they_cannot_undo() -> None:
     """affine_rot at head_dim 160 (20 x 8) would hand back K/V that are not the model's: refused with the reason."""
     keys = mx.zeros((1, 1, 4, 160))
     with pytest.raises(ValueError, match="not its own inverse"):
-        AffineCache(4, 32, rotate=True).update_and_fetch(keys, keys)
+        AffineRotCache(4, 32).update_and_fetch(keys, keys)
     assert "not its own inverse" in get_scheme("affine_rot").declines("k", 160, 160, {"group_size": 32, "bits": 4})
     assert get_scheme("affine").declines("k", 160, 160, {"group_size": 32, "bits": 4}) is None
     assert rotation_problem(288) == "head_dim 288 has no Hadamard transform in MLX (accepted: 2^k or 12 x 2^k)"

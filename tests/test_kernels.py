@@ -19,7 +19,7 @@ import pytest
 from conftest import random_kv, tiny_llama
 
 import gmlx_lab
-from gmlx_lab.cache.affine import AffineCache
+from gmlx_lab.cache.affine import AffineCache, AffineRotCache
 from gmlx_lab.cache.attention import grouped_attention
 from gmlx_lab.cache.kvarn import KVarNCache
 from gmlx_lab.kernels import (
@@ -173,13 +173,13 @@ def _affine_stored(c: AffineCache, dtype: mx.Dtype) -> tuple[mx.array, mx.array]
 def _attend(c, q: mx.array, mask) -> mx.array:
     """The cache's attention as mlx-lm's seam calls it: with the K/V that fetching returns."""
     k, v = c.fetch(q.dtype) if isinstance(c, KVarNCache) else _affine_stored(c, q.dtype)
-    if isinstance(c, AffineCache) and c.rotate:
+    if isinstance(c, AffineCache) and c.rotate_on_arrival:
         k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
     return c.attend(q, k, v, q.shape[-1] ** -0.5, mask)
 
 
 def _affine_cache(bits: int, gs: int, d: int, tokens: int, seed: int, rotate: bool = False) -> AffineCache:
-    c = AffineCache(bits, gs, rotate=rotate)
+    c = (AffineRotCache if rotate else AffineCache)(bits, gs)
     k, v = random_kv(tokens, 2, d, seed=seed)
     c.update_and_fetch(k[:, :, :tokens - 3], v[:, :, :tokens - 3])
     c.update_and_fetch(k[:, :, tokens - 3:], v[:, :, tokens - 3:])
@@ -441,9 +441,9 @@ def test_affine_fused_matches_reference(case: tuple[int, ...]) -> None:
 def _affine_dequantized_reference(c: AffineCache, q: mx.array, mask) -> mx.array:
     """Float32 attention over mx.dequantize'd K/V (mlx 0.32.4 CUDA has no float32 quantized_matmul for these)."""
     k, v = _affine_stored(c, mx.float32)
-    qr = mx.hadamard_transform(q) if c.rotate else q
+    qr = mx.hadamard_transform(q) if c.rotate_on_arrival else q
     out, _ = grouped_attention(qr.astype(mx.float32), k, v, q.shape[-1] ** -0.5, mask)
-    return mx.hadamard_transform(out) if c.rotate else out
+    return mx.hadamard_transform(out) if c.rotate_on_arrival else out
 
 
 @gpu
@@ -453,7 +453,7 @@ def test_affine_fused_rotated_and_split_counts() -> None:
     c.attention_path = "fused"
     assert _rel(_attend(c, q, None), _affine_dequantized_reference(c, q, None)) < 2e-3
     qg = group_queries(q, 2)
-    kp, vp = ([b.data for b in bufs] for bufs in c.packed)  # the buffers the fused path reads
+    kp, vp = ([b.data for b in bufs] for bufs in c.body_buffers)  # the buffers the fused path reads
     for per in (1, 3, 7):
         ko, kl = affine_partials(qg, 128**-0.5, kp, vp, c.offset, 4, 64, 1, False, per_split=per)
         eo, el = affine_partials(qg, 128**-0.5, kp, vp, c.offset, 4, 64, 1, False, per_split=per, emulate=True)

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import gmlx_lab
 from gmlx_lab import cli, viz
-from gmlx_lab.cache import AffineCache, BlockCache, BlockScheme
+from gmlx_lab.cache import AffineCache, AffineRotCache, BlockCache, BlockScheme
 from gmlx_lab.cache.block import block_regions
 from gmlx_lab.measure.memory import memory_report
 from gmlx_lab.registry import SCHEMES, get_scheme, register_scheme
@@ -266,19 +266,20 @@ class RotatedAffineBlocks(AffineBlocks):
 @pytest.mark.parametrize("bits, group", [(2, 32), (3, 64), (4, 128), (6, 64), (8, 32)])
 def test_affine_as_a_block_scheme_stores_and_returns_what_affine_cache_does(bits, group, rotate):
     k, v = random_kv(60, seed=bits)
-    # fp16 values: the block base keeps arriving tokens in fp16 before it rotates them, AffineCache rotates first
+    # fp16 values: the block base keeps arriving tokens in fp16 before it rotates them, AffineRotCache rotates
+    # first (rotate_on_arrival)
     k, v = (x.astype(mx.float16).astype(mx.float32) for x in (k, v))
     ours = (RotatedAffineBlocks if rotate else AffineBlocks)(bits=bits, group_size=group)
-    theirs = AffineCache(bits, group, rotate=rotate)
+    theirs = (AffineRotCache if rotate else AffineCache)(bits, group)
     start = 0
     for n in (7, 1, 1, 51):
         a = ours.update_and_fetch(k[:, :, start:start + n], v[:, :, start:start + n])
         b = theirs.update_and_fetch(k[:, :, start:start + n], v[:, :, start:start + n])
         start += n
         assert all(mx.array_equal(x, y) for x, y in zip(a, b))
-    for mine, packed in zip(ours.body, theirs.packed):
-        for part, buf in zip(mine, packed):
-            assert mx.array_equal(part.reshape(buf.view(60).shape), buf.view(60))
+    for mine, packed in zip(ours.body, theirs.body):
+        for part, codes in zip(mine, packed):
+            assert mx.array_equal(part.reshape(codes.shape), codes)
 
 
 # -- the seams -----------------------------------------------------------------------------------------------------

@@ -81,8 +81,10 @@ class Spec(NamedTuple):
 
     @property
     def blocks(self) -> bool:
-        """A scheme on the block base (turboquant, float, kivi): encodes whole blocks once a later update came."""
-        return isinstance(self.make(), BlockCache)
+        """A scheme on the block base that encodes whole blocks once a later update came (turboquant, float, kivi;
+        affine encodes its one-token blocks as they arrive)."""
+        cache = self.make()
+        return isinstance(cache, BlockCache) and not cache.encode_on_arrival
 
     @property
     def low(self) -> int:
@@ -457,10 +459,9 @@ def test_every_bad_constructor_option_is_a_named_error(which, data):
     scheme, name = which
     option = get_scheme(scheme).option(name)
     value = data.draw(bad_values(option), "value")
-    options = {"affine_rot": {"rotate": True}}.get(scheme, {})
-    cls = gmlx_lab.AffineCache if scheme.startswith("affine") else get_scheme(scheme).cache_class
+    cls = get_scheme(scheme).cache_class
     with pytest.raises(ValueError, match=f"layer 2: {scheme}: .*{re.escape(f'{name}={value!r}')}") as exc:
-        cls(**options, **{name: value}, layer=2)
+        cls(**{name: value}, layer=2)
     assert option.accepted() in str(exc.value)
     if value is not None:  # resolve() reads None as "the default"
         with pytest.raises(ValueError, match=re.escape(option.accepted())):

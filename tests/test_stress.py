@@ -21,7 +21,7 @@ from mlx_lm.generate import speculative_generate_step
 
 import gmlx_lab
 from gmlx_lab import cli
-from gmlx_lab.cache import AffineCache, FP16Cache, KVarNCache
+from gmlx_lab.cache import AffineCache, AffineRotCache, FP16Cache, KVarNCache
 from gmlx_lab.cache.base import FINITE_BATCH
 from gmlx_lab.registry import get_scheme
 
@@ -40,7 +40,7 @@ CAUSAL_SCHEMES = (
 
 def one_layer_caches() -> list:
     """One cache of each class, the widths the tests below feed."""
-    return [FP16Cache(layer=5), AffineCache(4, layer=5), AffineCache(3, rotate=True, layer=5),
+    return [FP16Cache(layer=5), AffineCache(4, layer=5), AffineRotCache(3, layer=5),
             KVarNCache(4, 4, kv_tail_tokens=0, layer=5)]
 
 
@@ -307,7 +307,7 @@ def test_6_non_float_kv_is_a_named_error(cache, dtype):
     ({"batch": 2}, "batch 1 -> 2"),
 ])
 @pytest.mark.parametrize("make", [lambda: FP16Cache(layer=5), lambda: AffineCache(4, group_size=32, layer=5),
-                                  lambda: AffineCache(4, rotate=True, layer=5),
+                                  lambda: AffineRotCache(4, layer=5),
                                   lambda: KVarNCache(4, 4, kv_tail_tokens=0, layer=5)],
                          ids=["fp16", "affine", "affine_rot", "kvarn"])
 def test_9_shape_change_between_updates_is_a_named_error(make, change, message):
@@ -340,7 +340,7 @@ def test_7_a_string_width_says_it_must_be_an_int():
     lambda: KVarNCache(kv_tail_tokens=12.0),
     lambda: AffineCache(quantized_kv_start=-5),
     lambda: AffineCache(group_size=16),
-    lambda: AffineCache(bits=5, rotate=True),
+    lambda: AffineRotCache(bits=5),
     lambda: AffineCache(bits=4.0),
 ])
 def test_8_constructors_reject_what_the_registry_rejects(make):
@@ -357,7 +357,7 @@ VALUES = [True, False, None, "4", 4.0, -5, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32
                                             ("kvarn", "norm_iters")])
 def test_8_constructor_and_registry_accept_the_same_values(scheme, option):
     """One place decides: for every value, the cache constructor accepts it exactly when the registry does."""
-    make = {"affine": AffineCache, "affine_rot": lambda **o: AffineCache(rotate=True, **o), "kvarn": KVarNCache}
+    make = {"affine": AffineCache, "affine_rot": AffineRotCache, "kvarn": KVarNCache}
     for value in VALUES:
         try:
             get_scheme(scheme).option(option).check(value, scheme)
@@ -410,7 +410,7 @@ def test_10_model_name_of_the_wrong_type_is_rejected():
 # -- 11: copy.deepcopy ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tokens", [10, 255, 256, 300])
-@pytest.mark.parametrize("make", [lambda: FP16Cache(), lambda: AffineCache(4), lambda: AffineCache(8, rotate=True),
+@pytest.mark.parametrize("make", [lambda: FP16Cache(), lambda: AffineCache(4), lambda: AffineRotCache(8),
                                   lambda: KVarNCache(4, 4, kv_tail_tokens=0),
                                   lambda: KVarNCache(4, 4, kv_tail_tokens=128)],
                          ids=["fp16", "affine", "affine_rot", "kvarn_tail0", "kvarn_tail128"])

@@ -7,10 +7,10 @@ gmlx_lab/mlx_lm_hooks.py.
 
 from __future__ import annotations
 
-from .affine import AffineCache
+from .affine import AffineCache, AffineRotCache
 from .base import GmlxCache
 from .block import BlockCache, BlockScheme
 from .fp16 import FP16Cache
 from .kvarn import KVarNCache
 
-__all__ = ["AffineCache", "BlockCache", "BlockScheme", "FP16Cache", "GmlxCache", "KVarNCache"]
+__all__ = ["AffineCache", "AffineRotCache", "BlockCache", "BlockScheme", "FP16Cache", "GmlxCache", "KVarNCache"]

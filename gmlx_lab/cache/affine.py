@@ -1,11 +1,14 @@
 """Affine quantization, as mlx-lm's `--kv-bits`: each token's K/V row in groups of N-bit codes.
 
-Every `group_size` values of a row share an fp16 scale and offset
-(`mx.quantize`, affine mode). Unlike mlx-lm 0.32.2's QuantizedKVCache, the packed
-width is `head_dim * bits / 32` words, so 3- and 6-bit caches work for every head
-dim. With `rotate=True` each head is first turned by the normalized Hadamard
-transform (llama.cpp's attention rotation): the query is rotated the same way and
-the output rotated back, which leaves attention unchanged but spreads outliers.
+A block scheme (cache/block.py) whose blocks are single tokens, encoded as they arrive: every `group_size`
+values of a row share an fp16 scale and offset (`mx.quantize`, affine mode). Unlike mlx-lm 0.32.2's
+QuantizedKVCache, the packed width is `head_dim * bits / 32` words, so 3- and 6-bit caches work for every head
+dim. `quantized_kv_start` keeps the tokens fp16 until that many have arrived (`due_blocks`). `AffineRotCache`
+(affine_rot) first turns each head by the normalized Hadamard transform (llama.cpp's attention rotation), as
+the tokens arrive: the query is rotated the same way and the output rotated back, which leaves attention
+unchanged but spreads outliers. What the base does not: attention from the codes (the fused GPU kernel or
+`mx.quantized_matmul`, an `attend` override), decoding straight to the model's dtype (`fetch`), the head-dim
+rule (`group_problem`) and the window rule of fp16 caches (one-token blocks leave in any whole group).
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import window
 from ..kernels import SplitCounter, active_backend, affine_attend, affine_supported
-from ..registry import GROUP_SIZES, get_scheme
+from ..records import KV
+from ..registry import GROUP_SIZES
 from ..rotation import rotation_problem
-from ..window import GROUP, SINK_TOKENS, groups_to_drop
 from .attention import apply_mask
-from .base import GmlxCache, array_bytes
+from .base import array_bytes
+from .block import BlockCache
 from .fp16 import STORE_DTYPE, GrowingBuffer
 
 
@@ -29,107 +34,84 @@ def group_problem(head_dim: int, group_size: int) -> str | None:
     return f"head_dim {head_dim} is not a multiple of group_size {group_size}" if head_dim % group_size else None
 
 
-class AffineCache(GmlxCache):
+class AffineCache(BlockCache):
     """K/V quantized per token in groups; fp16 until `quantized_kv_start` tokens have arrived."""
 
+    scheme = "affine"
+    block_tokens = 1  # each token's row is quantized on its own
+    encode_on_arrival = True
+    body_step = GrowingBuffer.STEP  # codes grow in steps of 256 tokens, as in mlx-lm
     KERNELS = ("affine_decode",)
 
-    def __init__(
-        self,
-        bits: int = 8,
-        group_size: int = 64,
-        quantized_kv_start: int = 0,
-        rotate: bool = False,
-        layer: int | None = None,
-    ):
-        super().__init__(layer)
-        get_scheme("affine_rot" if rotate else "affine").check(
-            self.where(), bits=bits, group_size=group_size, quantized_kv_start=quantized_kv_start)
-        self.k_bits = bits
-        self.group_size = group_size
-        self.quantized_kv_start = quantized_kv_start
-        self.rotate = rotate
-        self.scheme = "affine_rot" if rotate else "affine"
-        self.fp16: tuple[GrowingBuffer, GrowingBuffer] | None = (GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
-        self.packed: list[list[GrowingBuffer]] | None = None  # [keys, values] x [codes, scales, biases]
+    def __init__(self, bits: int = 8, group_size: int = 64, quantized_kv_start: int = 0, layer: int | None = None):
+        # the registered scheme's Options check these (BlockCache); they become self.bits, ...
+        super().__init__(layer, bits=bits, group_size=group_size, quantized_kv_start=quantized_kv_start)
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
 
-    @property
-    def quantized(self) -> bool:
-        return self.packed is not None
+    # -- what a block scheme writes ------------------------------------------------------------------------
+    def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array, mx.array]:
+        """Tokens (B, H, 1, D) -> codes, scales, biases (B, H, ...): mx.quantize in groups of `group_size`."""
+        return tuple(p[:, :, 0] for p in mx.quantize(x.astype(STORE_DTYPE), group_size=self.group_size,
+                                                     bits=self.bits))
 
-    def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        return mx.quantize(x.astype(STORE_DTYPE), group_size=self.group_size, bits=self.k_bits)
+    def decode(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
+        return self.dequantize([p[:, :, None] for p in parts], mx.float32)
 
-    def _dequantize(self, parts: list[mx.array], dtype: mx.Dtype) -> mx.array:
+    def dequantize(self, parts: list[mx.array], dtype: mx.Dtype) -> mx.array:
+        """Codes, scales, biases back to values of `dtype` (the scales cast to it first, as mlx-lm does)."""
         codes, scales, biases = parts
         if scales.dtype != dtype:
             scales, biases = scales.astype(dtype), biases.astype(dtype)
-        return mx.dequantize(codes, scales, biases, group_size=self.group_size, bits=self.k_bits)
+        return mx.dequantize(codes, scales, biases, group_size=self.group_size, bits=self.bits)
 
-    def _check_dims(self, keys: mx.array, values: mx.array) -> None:
-        """The first update's head dims must split into groups (later ones must match it: GmlxCache.arrive)."""
-        for name, x in (("keys", keys), ("values", values)):
-            problem = group_problem(x.shape[-1], self.group_size) if getattr(x, "ndim", 0) == 4 else None
-            if problem is None and self.rotate and getattr(x, "ndim", 0) == 4:
-                problem = rotation_problem(x.shape[-1])
+    def due_blocks(self, newest: int | None = None) -> int:
+        """Every token, once `quantized_kv_start` tokens have arrived; none before (fp16 until then)."""
+        return super().due_blocks(newest) if self.offset >= self.quantized_kv_start else 0
+
+    def check_head_dims(self, k_dim: int, v_dim: int) -> None:
+        """Rows must split into whole groups (`group_problem`), naming the layer."""
+        for name, d in (("keys", k_dim), ("values", v_dim)):
+            problem = self.head_dim_problem(d)
             if problem:
                 raise ValueError(f"{self.where()}: {name} {problem}; use a group size dividing it "
                                  f"({', '.join(map(str, GROUP_SIZES))})")
 
-    def _write_packed(self, start: int, keys: mx.array, values: mx.array) -> None:
-        if self.packed is None:
-            self.packed = [[GrowingBuffer(mx.uint32), GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE)]
-                           for _ in range(2)]
-        for buffers, x in zip(self.packed, (keys, values)):
-            for buf, part in zip(buffers, self._quantize(x)):
-                buf.write(start, part)
+    def head_dim_problem(self, head_dim: int) -> str | None:
+        """Why this cache cannot store rows of `head_dim` values, or None."""
+        return group_problem(head_dim, self.group_size)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self._shape is None:
-            self._check_dims(keys, values)
-        keys, values = self.arrive(keys, values)
-        dtype = keys.dtype
-        if self.rotate:
-            keys, values = mx.hadamard_transform(keys), mx.hadamard_transform(values)
-        start = self.held
-        self.offset += keys.shape[2]
-        if self.quantized:
-            self._write_packed(start, keys, values)
-        else:
-            self.fp16[0].write(start, keys)
-            self.fp16[1].write(start, values)
-            if self.offset >= self.quantized_kv_start:
-                self._write_packed(0, self.fp16[0].view(self.held), self.fp16[1].view(self.held))
-                self.fp16 = None
-        if self.max_kv_size is not None:
-            self._roll(keys.shape[2])
-        k, v = self.stored(self.held, dtype)
-        if self.rotate:  # hand back K/V in the model's own (unrotated) space
-            k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
-        if k.dtype != dtype:
-            k, v = k.astype(dtype), v.astype(dtype)
-        return self._return(k, v)
+    def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
+        """The shared rule of gmlx_lab/window.py for fp16 tokens (the sink and one group): one-token blocks leave
+        in whole groups whatever the tail."""
+        window.check(max_kv_size, None, where or self.where())
 
-    def _roll(self, newest: int) -> None:
-        """The rolling window: the oldest groups of tokens after the sink leave (gmlx_lab/window.py)."""
-        drop = groups_to_drop(self.held, self.max_kv_size, newest) * GROUP
-        if drop:
-            buffers = [b for bufs in self.packed for b in bufs] if self.quantized else list(self.fp16)
-            for buf in buffers:
-                buf.remove(SINK_TOKENS, SINK_TOKENS + drop, self.held)
-            self.dropped += drop
+    # -- reading ---------------------------------------------------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        """Whether the tokens are codes yet (False before `quantized_kv_start`)."""
+        return self.body is not None
 
     def stored(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """Stored K/V (rotated if `rotate`) as arrays of `dtype`, decoded if quantized.
+        """Stored K/V (rotated for affine_rot) as arrays of `dtype`, decoded if quantized: the tokens are all codes
+        or all fp16 (they become codes together at `quantized_kv_start`).
 
         The whole buffers are decoded and the result cut to `end` tokens: two graph nodes per array rather than
         four (a decode step builds this graph every token, though the fused path never evaluates it).
         """
         if self.quantized:
-            out = (self._dequantize([b.data for b in bufs], dtype) for bufs in self.packed)
+            out = (self.dequantize([b.data for b in bufs], dtype) for bufs in self.body_buffers)
             return tuple(x if x.shape[2] == end else x[:, :, :end] for x in out)
-        return self.fp16[0].view(end), self.fp16[1].view(end)
+        return self.recent.k.view(end), self.recent.v.view(end)
+
+    def fetch(self, dtype: mx.Dtype = mx.float32) -> KV:
+        """Every token's K and V in the model's space, decoded straight to `dtype` (BlockCache's fetch decodes to
+        float32 first)."""
+        k, v = self.stored(self.held, dtype)
+        if self.rotate_on_arrival:  # hand back K/V in the model's own (unrotated) space
+            k, v = self.unrotate(k), self.unrotate(v)
+        if k.dtype != dtype:
+            k, v = k.astype(dtype), v.astype(dtype)
+        return KV(k, v)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention from the codes: the fused split-K kernel on a GPU, else two `mx.quantized_matmul` (or, for a
@@ -139,19 +121,18 @@ class AffineCache(GmlxCache):
         """
         route = self.kernel_route(self.quantized and affine_supported(queries, mask), "affine_decode")
         if route is not None:
-            parts = [[b.data for b in bufs] for bufs in self.packed]
-            return affine_attend(queries, scale, mask, parts, self.held, self.k_bits, self.group_size,
-                                 self.rotate, emulate=route == "emulated", counter=self._counter)
-        q = mx.hadamard_transform(queries) if self.rotate else queries
+            parts = [[b.data for b in bufs] for bufs in self.body_buffers]
+            return affine_attend(queries, scale, mask, parts, self.held, self.bits, self.group_size,
+                                 self.rotate_on_arrival, emulate=route == "emulated", counter=self._counter)
+        q = self.rotate(queries) if self.rotate_on_arrival else queries
         if not self.quantized or self._decoded_block(queries):
             # fp16 rows; or a query block better served by the decoded codes, the very values quantized_matmul
             # would use (see _decoded_block)
             k, v = self.stored(self.held, q.dtype)
             out = mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=mask)
         else:
-            qk, qv = ([b.view(self.held) for b in bufs] for bufs in self.packed)
-            out = self._quantized_attention(q, qk, qv, scale, mask)
-        return mx.hadamard_transform(out) if self.rotate else out
+            out = self._quantized_attention(q, list(self.body.k), list(self.body.v), scale, mask)
+        return self.unrotate(out) if self.rotate_on_arrival else out
 
     @staticmethod
     def _decoded_block(queries: mx.array) -> bool:
@@ -175,7 +156,7 @@ class AffineCache(GmlxCache):
         # broadcast the codes and scales over the GQA group
         qk, qv = ([mx.expand_dims(x if x.dtype == mx.uint32 else x.astype(dtype), 2) for x in parts]
                   for parts in (qk, qv))
-        opts = {"group_size": self.group_size, "bits": self.k_bits}
+        opts = {"group_size": self.group_size, "bits": self.bits}
         scores = mx.quantized_matmul(q, *qk, transpose=True, **opts)
         if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
             mask = mx.expand_dims(mask, 2)
@@ -183,52 +164,22 @@ class AffineCache(GmlxCache):
         out = mx.quantized_matmul(probs, *qv, transpose=False, **opts)
         return out.reshape(b, hq, length, -1).astype(out_dtype)
 
-    def trim(self, n: int) -> int:
-        n = self.check_trim(n, self.held, "")
-        self.offset -= n
-        return n
-
     def regions(self) -> dict[str, int]:
-        if self.quantized:
-            codes = array_bytes(*(bufs[0].data for bufs in self.packed))
-            scales = array_bytes(*(b.data for bufs in self.packed for b in bufs[1:]))
-            cap = self.packed[0][0].capacity()
-            used = (codes + scales) * self.held // cap if cap else 0
-            return {"codes": codes * self.held // cap, "scales": scales * self.held // cap,
-                    "reserve": codes + scales - used}
-        total = array_bytes(*(b.data for b in self.fp16))
-        cap = self.fp16[0].capacity()
-        used = total * self.held // cap if cap else 0
-        return {"fp16": used, "reserve": total - used}
+        """Codes and scales (with offsets) once quantized, else the fp16 tokens; and the buffers' growth room."""
+        r = super().regions()
+        if not self.quantized:
+            return {"fp16": r["live"] + r["tail"], "reserve": r["reserve"]}
+        codes = array_bytes(self.body.k[0], self.body.v[0])
+        return {"codes": codes, "scales": r["body"] - codes, "reserve": r["reserve"]}
 
-    @property
-    def state(self) -> tuple[Any, ...]:
-        meta = (self.offset, self.k_bits, self.group_size, self.quantized_kv_start, int(self.rotate), self.layer,
-                self.max_kv_size, self.dropped, *self.sliding_state())
-        if self.offset == 0:
-            return (None, None, *meta)
-        if self.quantized:
-            k, v = ([b.view(self.held) for b in bufs] for bufs in self.packed)
-            return (k, v, *meta)
-        return (self.fp16[0].view(self.held), self.fp16[1].view(self.held), *meta)
 
-    @state.setter
-    def state(self, v: tuple[Any, ...]) -> None:
-        keys, values, offset, bits, group_size, start, rotate, layer, max_kv_size, dropped, *sliding = v
-        self.__init__(bits, group_size, start, bool(rotate), layer)
-        self.offset, self.max_kv_size, self.dropped = offset, max_kv_size, dropped
-        self.restore_sliding(sliding)
-        if keys is None:
-            return
-        packed = isinstance(keys, (list, tuple))  # codes as uint32 words of 32 / bits values each
-        first_k, first_v = (x[0] if packed else x for x in (keys, values))
-        dk, dv = (x.shape[3] * 32 // bits if packed else x.shape[3] for x in (first_k, first_v))
-        self._shape = (first_k.shape[0], first_k.shape[1], dk, dv)
-        if isinstance(keys, (list, tuple)):
-            self.packed = [[GrowingBuffer(p.dtype) for p in keys] for _ in range(2)]
-            for bufs, parts in zip(self.packed, (keys, values)):
-                for buf, part in zip(bufs, parts):
-                    buf.data = part
-            self.fp16 = None
-        else:
-            self.fp16[0].data, self.fp16[1].data = keys, values
+class AffineRotCache(AffineCache):
+    """affine after a per-head Hadamard rotation, applied as the tokens arrive (llama.cpp's attention rotation)."""
+
+    scheme = "affine_rot"
+    rotate_on_arrival = True
+    rotate = unrotate = staticmethod(mx.hadamard_transform)  # normalized: its own inverse at the accepted dims
+
+    def head_dim_problem(self, head_dim: int) -> str | None:
+        """Whole groups, and a rotation that undoes itself at this head dim (gmlx_lab/rotation.py)."""
+        return group_problem(head_dim, self.group_size) or rotation_problem(head_dim)

@@ -26,18 +26,27 @@ A layer's tokens live in three stores, oldest first (`block_regions` is the geom
   recent  fp16 tokens after the body: the live (incomplete) block and the newest `kv_tail_tokens` (the tail).
 A block is encoded once it is complete, has left the tail and a later update has arrived: an update attends
 to its own tokens exactly, and its tokens can always be trimmed (speculative decoding). `encode_on_arrival =
-True` encodes complete blocks at once instead, the latest update's too (mlx-lm's affine cache does that).
+True` encodes complete blocks at once instead, the latest update's too (mlx-lm's affine cache does that, in
+blocks of one token: cache/affine.py); an update due whole goes straight into blocks, and a trim drops whole
+blocks (a cache that never saw them would hold the blocks before them no differently).
+The body's buffers grow by `body_step` blocks at once: 1 (the default) sizes them exactly; one-token blocks
+grow by 256, as mlx-lm's caches do, so a decode step writes in place instead of copying the body (the room
+counts in `regions()["reserve"]`). `body` holds the blocks as arrays (views of `body_buffers`).
 `keep_newest_block = True` keeps the fp16 source of the newest block (`rollback`) until the next encode, so a
 trim into that block restores it exactly: a draft model's cache under mlx-lm's speculative decoding takes one
 token per update and is trimmed by up to num_draft - 1 tokens, which at tail 0 reaches into the newest block
 (kvarn does this; the copy counts in `regions()["reserve"]`).
 A cache whose blocks are the shared rolling window's groups (128 tokens after a 128-token sink, kvarn's
-records) can be a rolling window (`set_window`, gmlx_lab/window.py): the oldest blocks leave whole.
+records) can be a rolling window (`set_window`, gmlx_lab/window.py): the oldest blocks leave whole (affine's
+one-token blocks leave a group at a time, its own `window_check`).
 
 `encode` sees float32 blocks of the stored fp16 values, or what `rotate` makes of them (kvarn rotates in fp16,
-as its records were always sealed). It must treat the first two axes as batch: the base hands it several blocks
-at once as extra heads, and the shapes of what it returns must depend only on the block's shape (the byte
-formula encodes a block of zeros to count them).
+as its records were always sealed). With `rotate_on_arrival = True` tokens are rotated as they arrive, before
+any store, so the fp16 sink and recent tokens are rotated too and `fetch` turns everything back (affine_rot,
+as llama.cpp rotates K/V before its cache); by default only blocks are rotated, when they are encoded.
+`encode` must treat the first two axes as batch: the base hands it several blocks at once as extra heads, and
+the shapes of what it returns must depend only on the block's shape (the byte formula encodes a block of zeros
+to count them).
 """
 
 from __future__ import annotations
@@ -59,8 +68,8 @@ from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
 __all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
 
 GEOMETRY = ("block_tokens", "sink_tokens", "kv_tail_tokens")  # options a scheme may set, or class attributes
-STATE = ("offset", "layer", "options", "sink", "body", "recent", "sink_count", "recent_count", "newest", "max_kv_size",
-         "dropped")
+STATE = ("offset", "layer", "options", "sink", "body", "body_buffers", "recent", "sink_count", "recent_count", "newest",
+         "max_kv_size", "dropped")
 
 
 def clashes(name: str) -> bool:
@@ -83,6 +92,8 @@ class BlockCache(GmlxCache):
     sink_tokens = 0
     kv_tail_tokens = 0
     encode_on_arrival = False
+    rotate_on_arrival = False  # rotate tokens before any store, the fp16 ones too (see the docstring)
+    body_step = 1  # blocks the body's buffers grow by at once (see the docstring)
     keep_newest_block = False  # keep the newest block's fp16 source until the next encode (see the docstring)
     # True: a block is encoded once it had left the tail before the latest update arrived (kvarn: token by token,
     # one token after it leaves the tail); False: once it has left the tail and is older than the latest update
@@ -120,7 +131,8 @@ class BlockCache(GmlxCache):
                 check_geometry(name, getattr(self, name), self.where())
         self.options = dict(options)
         self.sink: KV | None = None  # K, V (B, H, <= sink_tokens, D) fp16
-        self.body: KV | None = None  # K, V tuples of arrays (B, H, blocks, ...)
+        self.body_buffers: KV | None = None  # K, V tuples of GrowingBuffer, one per part `encode` returns
+        self.body: KV | None = None  # K, V tuples of arrays (B, H, blocks, ...): the held blocks of body_buffers
         self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
         self.sink_count = 0
         self.recent_count = 0
@@ -168,24 +180,39 @@ class BlockCache(GmlxCache):
             self.check_head_dims(keys.shape[-1], values.shape[-1])
         keys, values = self.arrive(keys, values)
         dtype, n = keys.dtype, keys.shape[2]
+        if self.rotate_on_arrival:
+            keys, values = self.rotate(keys), self.rotate(values)
         room = self.sink_tokens - self.sink_count
         if room > 0:  # the first sink_tokens tokens fill the sink
             self.sink, keys, values = fill_sink(self.sink, keys, values, room)
             self.sink_count = self.sink.k.shape[2]
-        if keys.shape[2]:
-            self.recent.k.write(self.recent_count, keys)
-            self.recent.v.write(self.recent_count, values)
-            self.recent_count += keys.shape[2]
         self.offset += n
         self.newest = 0 if self.encode_on_arrival else n
-        self._encode(self.due_blocks())
+        if keys.shape[2]:
+            self._store(keys, values)
         if self.max_kv_size is not None:
             self._roll(n)
         return self._return(*self.fetch(dtype))
 
-    def due_blocks(self) -> int:
-        """Complete blocks of recent tokens that have left the tail and are older than the latest update."""
-        due = due_tokens(self.recent_count, self.newest, self.kv_tail_tokens, self.tail_before_update)
+    def _store(self, keys: mx.array, values: mx.array) -> None:
+        """Put an update's tokens after the recent ones and encode the blocks now due. An update due whole with
+        nothing waiting before it (a class that encodes on arrival) goes straight into blocks, no stop in fp16."""
+        waiting = self.recent_count
+        self.recent_count += keys.shape[2]
+        due = self.due_blocks()
+        if not waiting and due * self.block_tokens == keys.shape[2]:
+            self.recent_count = 0
+            self._append_blocks(KV(keys, values))
+            return
+        self.recent.k.write(waiting, keys)
+        self.recent.v.write(waiting, values)
+        self._encode(due)
+
+    def due_blocks(self, newest: int | None = None) -> int:
+        """Complete blocks of recent tokens that have left the tail and are older than the latest update (`newest`
+        tokens: by default the latest update's, not encoded yet; 0 for every complete block out of the tail)."""
+        newest = self.newest if newest is None else newest
+        due = due_tokens(self.recent_count, newest, self.kv_tail_tokens, self.tail_before_update)
         return max(0, due) // self.block_tokens
 
     def seal(self) -> int:
@@ -194,7 +221,7 @@ class BlockCache(GmlxCache):
         Updates encode on their own; this is for reports of resident bytes (the tokens it encodes can no
         longer be trimmed).
         """
-        n = max(0, self.recent_count - self.kv_tail_tokens) // self.block_tokens
+        n = self.due_blocks(newest=0)
         self._encode(n)
         self.newest = 0
         self.rollback = None
@@ -214,33 +241,72 @@ class BlockCache(GmlxCache):
         window.check(max_kv_size, self.kv_tail_tokens, where or self.where())
 
     def _roll(self, newest: int) -> None:
-        """The rolling window: the oldest whole blocks leave (gmlx_lab/window.py); the sink and tail stay."""
-        drop = min(window.groups_to_drop(self.held, self.max_kv_size, newest), self.n_blocks)
-        if drop:
-            if drop < self.n_blocks:
-                self.body = KV(*(tuple(mx.contiguous(p[:, :, drop:]) for p in parts) for parts in self.body))
-            else:
-                self.body = self.rollback = None
-            self.dropped += drop * self.block_tokens
+        """The rolling window (gmlx_lab/window.py): after the window's 128-token sink (the fp16 sink, then the first
+        blocks if the class keeps fewer tokens fp16) the oldest whole groups leave, from the blocks, or from the
+        recent fp16 tokens while no block lies past the sink (affine before quantized_kv_start); the tail and the
+        latest update stay."""
+        groups = window.groups_to_drop(self.held, self.max_kv_size, newest)
+        skip = window.SINK_TOKENS - self.sink_count  # tokens of the window's sink held after the fp16 sink
+        body = self.n_blocks * self.block_tokens
+        if body > skip:
+            drop = min(groups, (body - skip) // window.GROUP) * window.GROUP
+            first, blocks = skip // self.block_tokens, drop // self.block_tokens
+            if blocks == self.n_blocks:
+                self._hold_blocks(0)
+                self.rollback = None
+            elif blocks:
+                for buf in (b for bufs in self.body_buffers for b in bufs):
+                    buf.remove(first, first + blocks, self.n_blocks)
+                self._hold_blocks(self.n_blocks - blocks)
+        else:
+            start = skip - body
+            room = self.recent_count - start - self.kv_tail_tokens - newest
+            drop = min(groups, max(0, room) // window.GROUP) * window.GROUP
+            if drop:
+                for buf in self.recent:
+                    buf.remove(start, start + drop, self.recent_count)
+                self.recent_count -= drop
+        self.dropped += drop
 
     def _encode(self, blocks: int) -> None:
         """Encode the oldest `blocks` blocks of recent tokens into the body (K and V both)."""
         if blocks <= 0:
             return
         tokens = blocks * self.block_tokens
-        new = KV(*(self._encode_blocks(self.rotate(buf.data[:, :, :tokens].astype(mx.float32)), kind)
-                   for buf, kind in zip(self.recent, "kv")))
-        if self.keep_newest_block:
-            self.rollback = KV(*(mx.contiguous(buf.data[:, :, tokens - self.block_tokens:tokens])
-                                 for buf in self.recent))
-        if self.body is None:
-            self.body = new
-        else:
-            self.body = KV(*(tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old, parts))
-                             for old, parts in zip(self.body, new)))
-        for buf in self.recent:
-            buf.remove(0, tokens, self.recent_count)
+        self._append_blocks(KV(*(buf.data[:, :, :tokens] for buf in self.recent)))
+        if self.recent_count > tokens or not self.encode_on_arrival:
+            for buf in self.recent:
+                buf.remove(0, tokens, self.recent_count)
+        else:  # encoding on arrival, an empty fp16 store holds nothing (as mlx-lm's QuantizedKVCache)
+            self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
         self.recent_count -= tokens
+
+    def _append_blocks(self, tokens: KV) -> None:
+        """Encode tokens (B, H, whole blocks, D), fp16 as stored, onto the end of the body."""
+        stored = KV(*(x if x.dtype == STORE_DTYPE else x.astype(STORE_DTYPE) for x in tokens))
+        new = KV(*(self._encode_blocks(self._to_encode(x), kind) for x, kind in zip(stored, "kv")))
+        if self.keep_newest_block:
+            self.rollback = KV(*(mx.contiguous(x[:, :, x.shape[2] - self.block_tokens:]) for x in stored))
+        if self.body_buffers is None:
+            self.body_buffers = KV(*(tuple(GrowingBuffer(p.dtype, step=self.body_step) for p in parts)
+                                     for parts in new))
+        start = self.n_blocks
+        for bufs, parts in zip(self.body_buffers, new):
+            for buf, part in zip(bufs, parts):
+                buf.write(start, part)
+        self._hold_blocks(start + new.k[0].shape[2])
+
+    def _to_encode(self, stored: mx.array) -> mx.array:
+        """What `encode` sees of stored fp16 tokens: float32, rotated unless they were on arrival."""
+        x = stored.astype(mx.float32)
+        return x if self.rotate_on_arrival else self.rotate(x)
+
+    def _hold_blocks(self, n: int) -> None:
+        """Make `body` the first n blocks of the body's buffers (none: no body, no buffers)."""
+        if n == 0:
+            self.body = self.body_buffers = None
+        else:
+            self.body = KV(*(tuple(buf.view(n) for buf in bufs) for bufs in self.body_buffers))
 
     def _encode_blocks(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
         """Tokens (B, H, m * block, D) as m blocks: `encode` sees (B, H * m, block, D); parts return (B, H, m, ...)."""
@@ -264,20 +330,21 @@ class BlockCache(GmlxCache):
         if self.sink is not None:
             pieces.append(self.sink)
         if self.body is not None:
-            pieces.append(KV(*(self.unrotate(self._decode_blocks(parts, kind))
-                               for parts, kind in zip(self.body, "kv"))))
+            body = KV(*(self._decode_blocks(parts, kind) for parts, kind in zip(self.body, "kv")))
+            pieces.append(body if self.rotate_on_arrival else KV(*(self.unrotate(x) for x in body)))
         if self.recent_count:
             pieces.append(KV(self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count)))
         k, v = ([p[i] if p[i].dtype == dtype else p[i].astype(dtype) for p in pieces] for i in (0, 1))
-        return KV(*(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2) for xs in (k, v)))
+        out = KV(*(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2) for xs in (k, v)))
+        return KV(*(self.unrotate(x) for x in out)) if self.rotate_on_arrival else out
 
     def roundtrip(self, x: mx.array, kind: str) -> mx.array:
         """Tokens (B, H, T, D), T a multiple of block_tokens, stored as this cache stores them and read back."""
         if x.shape[2] % self.block_tokens:
             raise ValueError(f"{type(self).__name__}: roundtrip needs a multiple of {self.block_tokens} tokens, "
                              f"got {x.shape[2]}")
-        stored = self.rotate(x.astype(STORE_DTYPE).astype(mx.float32))
-        return self.unrotate(self._decode_blocks(self._encode_blocks(stored, kind), kind))
+        stored = (self.rotate(x) if self.rotate_on_arrival else x).astype(STORE_DTYPE)
+        return self.unrotate(self._decode_blocks(self._encode_blocks(self._to_encode(stored), kind), kind))
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """The reference attention: softmax over the fetched K/V (a scheme may attend from its codes instead)."""
@@ -285,17 +352,24 @@ class BlockCache(GmlxCache):
 
     # -- contract ---------------------------------------------------------------------------------------------------
     def trim(self, n: int) -> int:
-        """Roll back the newest n tokens: the recent fp16 tokens, the newest block from its fp16 copy if the class
-        keeps one (`rollback`), and the sink before any block; other blocks cannot be restored exactly, so a trim
-        into them is refused."""
-        unencodable = self.block_tokens if self.rollback is not None else 0
-        blocks_left = self.n_blocks - (1 if unencodable else 0)
-        fp16_tokens = self.recent_count + unencodable + (0 if blocks_left else self.sink_count)
-        n = self.check_trim(n, fp16_tokens, "tokens already encoded into blocks cannot be restored exactly")
-        if unencodable and n > self.recent_count:
+        """Roll back the newest n tokens: the recent fp16 tokens; then whole blocks if the class encodes on arrival,
+        else the newest block from its fp16 copy if the class keeps one (`rollback`); then the sink, once no
+        block is left. Other blocks cannot be restored exactly, so a trim into them is refused."""
+        bt = self.block_tokens
+        droppable = self.n_blocks if self.encode_on_arrival else (1 if self.rollback is not None else 0)
+        limit = self.recent_count + droppable * bt + (self.sink_count if droppable == self.n_blocks else 0)
+        into_blocks = n - self.recent_count if isinstance(n, int) and not isinstance(n, bool) else 0
+        if self.encode_on_arrival and 0 < into_blocks <= droppable * bt and into_blocks % bt:
+            raise ValueError(f"{self.where()}: cannot trim {n} tokens: encoded blocks of {bt} tokens leave whole")
+        n = self.check_trim(n, limit, "tokens already encoded into blocks cannot be restored exactly")
+        if self.rollback is not None and n > self.recent_count:
             self._decode_newest()
         from_recent = min(n, self.recent_count)
         self.recent_count -= from_recent
+        blocks = min((n - from_recent) // bt, self.n_blocks) if self.encode_on_arrival else 0
+        if blocks:
+            self._hold_blocks(self.n_blocks - blocks)
+            from_recent += blocks * bt
         if n > from_recent:
             keep = self.sink_count - (n - from_recent)
             self.sink = keep_sink(self.sink, keep)
@@ -314,23 +388,23 @@ class BlockCache(GmlxCache):
         for buf, x in zip(self.recent, back):
             buf.write(0, x)
         self.recent_count = n + self.block_tokens
-        keep = self.n_blocks - 1
-        self.body = KV(*(tuple(mx.contiguous(p[:, :, :keep]) for p in parts) for parts in self.body)) if keep \
-            else None
+        self._hold_blocks(self.n_blocks - 1)
         self.rollback = None
 
     def regions(self) -> dict[str, int]:
-        """Resident bytes by region; "reserve" is what is held beyond the tokens served: the recent buffers'
+        """Resident bytes by region; "reserve" is what is held beyond the tokens served: the recent and body buffers'
         growth room and the newest block's fp16 copy (`rollback`)."""
         tokens = self.region_tokens()
         recent_bytes = array_bytes(self.recent.k.data, self.recent.v.data)
         per_token = recent_bytes // max(self.recent.k.capacity(), 1)
+        body = 0 if self.body is None else array_bytes(*self.body.k, *self.body.v)
+        buffers = 0 if self.body_buffers is None else array_bytes(*(b.data for bufs in self.body_buffers for b in bufs))
         return {
             "sink": 0 if self.sink is None else array_bytes(*self.sink),
-            "body": 0 if self.body is None else array_bytes(*self.body.k, *self.body.v),
+            "body": body,
             "live": per_token * tokens["live"],
             "tail": per_token * tokens["tail"],
-            "reserve": recent_bytes - per_token * self.recent_count
+            "reserve": recent_bytes - per_token * self.recent_count + buffers - body
             + (0 if self.rollback is None else array_bytes(*self.rollback)),
         }
 
@@ -368,7 +442,9 @@ class BlockCache(GmlxCache):
         if sk is not None:
             self.sink, self.sink_count = KV(sk, sv), sk.shape[2]
         if bk is not None:
-            self.body = KV(tuple(bk), tuple(bv))
+            self.body_buffers = KV(*(tuple(GrowingBuffer(p.dtype, p, self.body_step) for p in parts)
+                                     for parts in (bk, bv)))
+            self._hold_blocks(bk[0].shape[2])
         if rk is not None:
             self.recent = KV(GrowingBuffer(STORE_DTYPE, rk), GrowingBuffer(STORE_DTYPE, rv))
             self.recent_count = rk.shape[2]
@@ -431,11 +507,15 @@ class BlockScheme(Scheme):
         for name, value in self.cache_options(options).items():
             if getattr(cache, name, None) != value:
                 return f"{name} {getattr(cache, name, None)}, policy says {value}", False
-        due = block_regions(cache.offset, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens,
-                            cache.newest, cache.tail_before_update)["body"] - cache.dropped
+        due = self.encoded_tokens(cache)
         if cache.n_blocks * cache.block_tokens < due:
             return f"{due} tokens should be encoded at {cache.offset} tokens, found {cache.n_blocks} blocks", True
         return "", due > 0
+
+    def encoded_tokens(self, cache: BlockCache) -> int:
+        """Tokens the cache should hold encoded by now: the geometry's body, less what a rolling window dropped."""
+        return block_regions(cache.offset, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens,
+                             cache.newest, cache.tail_before_update)["body"] - cache.dropped
 
     def memory_regions(self, cache: BlockCache) -> tuple[dict[str, int], dict[str, int] | None]:
         regions = cache.regions()

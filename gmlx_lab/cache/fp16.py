@@ -30,24 +30,26 @@ def keep_sink(sink: KV, keep: int) -> KV | None:
 
 
 class GrowingBuffer:
-    """A (batch, heads, tokens, dim) buffer that grows in steps of 256 tokens, like mlx-lm's KVCache.
+    """A (batch, heads, tokens, ...) buffer that grows along its third axis in steps (256, like mlx-lm's KVCache).
 
     Growing in steps keeps decode from copying the whole cache every token (a write is an in-place
     slice update); the unused capacity is resident memory too, and `regions()` reports it as "reserve".
+    A step of 1 grows it exactly (the block base's body of large blocks).
     """
 
-    step = 256
+    STEP = 256
 
-    def __init__(self, dtype: mx.Dtype, data: mx.array | None = None):
+    def __init__(self, dtype: mx.Dtype, data: mx.array | None = None, step: int = STEP):
         self.data = data
         self.dtype = dtype
+        self.step = step
 
     def write(self, start: int, x: mx.array) -> None:
         """Store x at token positions [start, start + len)."""
         end = start + x.shape[2]
         if self.data is None or end > self.data.shape[2]:
             grow = (x.shape[2] + self.step - 1) // self.step * self.step
-            fresh = mx.zeros((*x.shape[:2], grow, x.shape[3]), self.dtype)
+            fresh = mx.zeros((*x.shape[:2], grow, *x.shape[3:]), self.dtype)
             self.data = fresh if self.data is None else mx.concatenate([self.data[:, :, :start], fresh], axis=2)
         self.data[:, :, start:end] = x if x.dtype == self.dtype else x.astype(self.dtype)
 
@@ -63,14 +65,14 @@ class GrowingBuffer:
         parts += [self.data[:, :, stop:end]] if end > stop else []
         spare = -(-max(kept, 1) // self.step) * self.step - kept
         if spare:
-            parts.append(mx.zeros((*self.data.shape[:2], spare, self.data.shape[3]), self.dtype))
+            parts.append(mx.zeros((*self.data.shape[:2], spare, *self.data.shape[3:]), self.dtype))
         self.data = mx.concatenate(parts, axis=2)
 
     def capacity(self) -> int:
         return 0 if self.data is None else self.data.shape[2]
 
     def __deepcopy__(self, memo: dict) -> GrowingBuffer:
-        return GrowingBuffer(self.dtype, self.data)
+        return GrowingBuffer(self.dtype, self.data, self.step)
 
 
 class FP16Cache(GmlxCache):

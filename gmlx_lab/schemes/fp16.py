@@ -1,4 +1,8 @@
-"""The fp16 scheme: K and V stored as float16, the baseline every other scheme is measured against."""
+"""The fp16 scheme: K and V stored as float16, the baseline every other scheme is measured against.
+
+Its cache (`cache/fp16.py`) is not a block cache: it stores tokens as they come, the fp16 store the block base
+keeps its sink and tail in, and encodes nothing; `Scheme.make_cache` builds it from the class, as for a plug-in.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,7 @@ from ..registry import BASELINE, Scheme, register_scheme
 
 @dataclass(frozen=True)
 class FP16Scheme(Scheme):
-    """No options; every layer it is asked about stays fp16."""
-
-    def make_cache(self, options: dict[str, Any], layer: int | None = None) -> FP16Cache:
-        return FP16Cache(layer=layer)
+    """No options; every layer it is asked about stays fp16; the cache is its class (`Scheme.make_cache`)."""
 
     def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
         return "fp16 scheme"
