@@ -6,7 +6,9 @@ import warnings
 
 import mlx.core as mx
 import pytest
+from conftest import tiny_llama
 
+import gmlx_lab
 from gmlx_lab.kernels import build, config, precompiled
 from gmlx_lab.kernels.sources import assemble, compact
 
@@ -194,3 +196,12 @@ def test_the_setting_turns_the_cache_off(fresh, monkeypatch):
     finally:
         monkeypatch.delenv("GMLX_KERNEL_CACHE")
         config.reload_environment()
+
+
+def test_the_kv_line_says_which_kernels_compile_in_each_process(fresh):
+    model = tiny_llama(layers=2)
+    assert "kernel disk cache" not in str(gmlx_lab.make_cache(model, "kvarn", bits=4, quiet=True).policy)
+    with pytest.warns(RuntimeWarning):
+        precompiled.give_up("kvarn_decode", "RuntimeError: no NVRTC library found")
+    line = str(gmlx_lab.make_cache(model, "kvarn", bits=4, quiet=True).policy)
+    assert "compiled in each process, no kernel disk cache (kvarn_decode: RuntimeError: no NVRTC library found)" in line
