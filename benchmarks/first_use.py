@@ -1,5 +1,5 @@
 """What the first use of a cache scheme costs in a fresh process: kernel compiles (and self-checks) before the
-first tokens, measured with MLX's compiled-kernel cache empty and then filled.
+first tokens, measured with the compiled-kernel folders empty and then filled.
 
 Usage (a GPU machine): python benchmarks/first_use.py --out benchmarks/results/first_use-h200.json
 
@@ -7,11 +7,13 @@ For each scheme a child process builds an mlx-lm `llama` with Llama-3-8B's layer
 (random float16 weights), makes the scheme's cache (which self-checks the fused kernels it uses, once per
 process), prefills `--context` random tokens in 2048-token chunks and decodes `--tokens` greedy tokens; it times
 each part (seconds, evaluation included). Each scheme runs twice, each time in a new process: `cold` with an empty
-MLX_PTX_CACHE_DIR (where MLX keeps the CUDA kernels of its own it compiled, by name), `warm` with the same folder
-again. MLX 0.32 keeps custom kernels (gmlx's) in memory only, so `warm` still compiles every gmlx kernel: the
-cold-warm difference is MLX's own kernels, and a scheme's warm total over fp16's is what gmlx's kernels cost in
-every fresh process. `adds_s` is a scheme's cold total minus gmlx fp16's cold total in the
-same run: what choosing the scheme adds to a first run.
+MLX_PTX_CACHE_DIR (where MLX keeps the CUDA kernels of its own it compiled) and an empty GMLX_KERNEL_CACHE_DIR
+(where gmlx keeps its kernels' NVRTC builds, kernels/precompiled.py), `warm` with both folders again, as a
+machine's later processes find them. With `--kernel-cache off` (GMLX_KERNEL_CACHE=0) gmlx's kernels go through
+mx.fast.cuda_kernel, which MLX 0.32 compiles in each process: `warm` then still compiles every gmlx kernel.
+`adds_s` (`adds_warm_s`) is a scheme's cold (warm) total minus gmlx fp16's in the same run: what choosing the
+scheme adds to a machine's first process (to every later one). `kernel_cache_problems`: the kernels that did not
+use the folder, and why (none when it worked).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def child(scheme: str, layers: int, context: int, tokens: int) -> dict[str, Any]
     from mlx_lm.models import llama
     from model_decode import SHAPES, new_cache
 
-    from gmlx_lab.kernels import selfcheck
+    from gmlx_lab.kernels import precompiled, selfcheck
 
     args = llama.ModelArgs(model_type="llama", **{**SHAPES["llama3-8b"], "num_hidden_layers": layers})
     mx.random.seed(0)
@@ -66,6 +68,7 @@ def child(scheme: str, layers: int, context: int, tokens: int) -> dict[str, Any]
     out["later_token_s"] = statistics.median(steps[1:])
     out["total_s"] = out["make_cache_s"] + out["prefill_s"] + sum(steps)
     out["self_checks"] = {r.kernel: round(r.seconds, 3) for r in selfcheck.results().values()}
+    out["kernel_cache_problems"] = precompiled.problems()
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
@@ -83,6 +86,7 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     result = {"mlx": mx.__version__, "commit": os.environ.get("GMLX_COMMIT", "unknown"),
               "device": str(mx.device_info().get("device_name", "")) if hasattr(mx, "device_info") else "",
               "layers": args.layers, "context": args.context, "tokens": args.tokens, "note": args.note,
+              "kernel_cache": args.kernel_cache,
               "method": " ".join(__doc__.split("\n\n")[1].split()), "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
@@ -96,11 +100,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=9)
     ap.add_argument("--out", default="benchmarks/results/first_use-h200.json")
     ap.add_argument("--note", default="")
+    ap.add_argument("--kernel-cache", choices=("on", "off"), default="on",
+                    help="gmlx's kernel disk cache (GMLX_KERNEL_CACHE); off: mx.fast.cuda_kernel in each process")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.layers, args.context, args.tokens)))
         return
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+           "GMLX_KERNEL_CACHE": "1" if args.kernel_cache == "on" else "0"}
     rows = []
     for scheme in args.schemes.split(","):
         folder = tempfile.mkdtemp(prefix=f"ptx-{scheme}-")
@@ -108,7 +115,8 @@ def main() -> None:
         for run in ("cold", "warm"):
             res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", scheme, "--layers",
                                   str(args.layers), "--context", str(args.context), "--tokens", str(args.tokens)],
-                                 capture_output=True, text=True, env={**env, "MLX_PTX_CACHE_DIR": folder})
+                                 capture_output=True, text=True,
+                                 env={**env, "MLX_PTX_CACHE_DIR": folder, "GMLX_KERNEL_CACHE_DIR": f"{folder}/gmlx"})
             try:
                 row[run] = json.loads(res.stdout.strip().splitlines()[-1])
             except (IndexError, json.JSONDecodeError):

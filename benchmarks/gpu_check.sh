@@ -11,7 +11,7 @@ limit=${2:-300}
 mkdir -p "$out"
 python -c "from gmlx_lab.kernels import active_backend as b; import sys; sys.exit(b() == 'cpu')" \
   || { echo "gpu_check.sh: MLX runs on the CPU here; these logs must come from a GPU backend" >&2; exit 2; }
-files="test_kernels test_selfcheck test_kvarn_cache test_affine_fp16 test_attention test_mlx_lm_dropin test_window"
+files="test_kernels test_selfcheck test_precompiled test_kvarn_cache test_affine_fp16 test_attention test_mlx_lm_dropin test_window"
 workers=()
 if [ "${GPU_CHECK_WORKERS:-0}" -gt 1 ] && python -c "import xdist" 2>/dev/null; then workers=(-n "$GPU_CHECK_WORKERS"); fi
 run() {

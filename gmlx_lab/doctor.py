@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .kernels import active_backend, selfcheck
+from .kernels import active_backend, precompiled, selfcheck
 
 
 def _version(package: str) -> str:
@@ -48,6 +48,8 @@ def doctor() -> dict[str, Any]:
         "mlx": mx.__version__, "mlx_lm": _version("mlx-lm"), "gmlx_lab": _version("gmlx-lab"),
         "backend": backend, "device": device or platform.processor() or platform.machine(),
         "kernels": None if checks is None else [vars(c) for c in checks],
+        "kernel_cache": None if backend != "cuda" else {"folder": str(precompiled.folder()),
+                                                         "not_used": precompiled.problems()},
         "openblas_preloaded": openblas_preloaded() if backend == "cpu" and sys.platform.startswith("linux") else None,
     }
 
@@ -73,6 +75,10 @@ def to_text(report: dict[str, Any]) -> str:
         for c in report["kernels"]:
             state = "passed" if c["passed"] else "FAILED -> reference path"
             lines.append(f"kernel {c['kernel']:14s} {state:26s} {c['seconds']:6.2f} s  {c['reason']}")
+    if report.get("kernel_cache"):
+        kc = report["kernel_cache"]
+        used = "; ".join(f"{k}: {why}" for k, why in kc["not_used"].items()) or "every kernel checked so far"
+        lines.append(f"kernel disk cache: {kc['folder']} ({'not used for ' if kc['not_used'] else 'used by '}{used})")
     if report["openblas_preloaded"] is not None:
         lines.append(f"OpenBLAS preloaded: {report['openblas_preloaded']}")
     return "\n".join(lines)

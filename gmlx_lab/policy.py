@@ -40,7 +40,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from . import window
 from .cache import GmlxCache
 from .kernels import config as kernel_config
-from .kernels import selfcheck
+from .kernels import precompiled, selfcheck
 from .registry import BASELINE, Scheme, get_scheme
 
 
@@ -260,8 +260,11 @@ class Policy:
 
     def _notes(self) -> str:
         """What the [kv] line adds: what the environment chose (scheme widths, kernel settings: kernels/config.py),
-        the rolling window, the overrides, and kernels that failed their self-check."""
+        the rolling window, the overrides, kernels that failed their self-check, and kernels compiled in each
+        process for want of the disk cache (kernels/precompiled.py)."""
         notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
+        if self.quantized and precompiled.note():
+            notes.append(precompiled.note())
         cls = get_scheme(self.scheme).cache_class
         if self.quantized and isinstance(cls, type) and issubclass(cls, GmlxCache) and cls.decode_path():
             notes.append(f"{self.scheme}: {cls.decode_path()}")  # no fused GPU kernel: say so (GmlxCache.decode_path)

@@ -67,5 +67,9 @@ def test_doctor_reports_the_machine():
         assert report["kernels"] is None and "not applicable on the CPU" in text
     else:
         assert {k["kernel"] for k in report["kernels"]} == set(selfcheck.CHECKS)
+    if active_backend() == "cuda":  # every kernel the checks ran came from the disk cache (kernels/precompiled.py)
+        assert report["kernel_cache"]["not_used"] == {} and "kernel disk cache: " in text
+    else:
+        assert report["kernel_cache"] is None
     out = subprocess.run([sys.executable, "-m", "gmlx_lab.cli", "doctor"], capture_output=True, text=True)
     assert out.returncode == 0 and "backend:" in out.stdout, out.stderr

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .. import window
-from ..kernels import active_backend, selfcheck
+from ..kernels import active_backend, precompiled, selfcheck
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 CHECK_FINITE_ENV = "GMLX_CHECK_FINITE"
@@ -283,7 +283,8 @@ class GmlxCache(_BaseCache):
         failed = [f"{k}: {selfcheck.failure(k)}" for k in self.KERNELS if not selfcheck.passed(k)]
         if failed:
             return "reference for " + "; ".join(failed) + " (failed self-check)"
-        return "fused kernels: " + ", ".join(self.KERNELS)
+        note = precompiled.note()
+        return "fused kernels: " + ", ".join(self.KERNELS) + (f" ({note})" if note else "")
 
     # -- contract ---------------------------------------------------------------------------------
     def size(self) -> int:

@@ -10,11 +10,11 @@
 Kernels take arrays and the layout of `gmlx_lab/records.py`; they know no cache class.
 On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA and Metal sources
 on CPU threads there (`threads.py`, one fiber per GPU lane). The modules' tiers: `sources` (the texts) <-
-`threads` (CPU lanes) <- `build` (backend, launch, compiled graphs; reads `config`, the settings) <- `decode`,
-`seal` <- `selfcheck`.
+`threads` (CPU lanes), `precompiled` (CUDA binaries kept on disk) <- `build` (backend, launch, compiled graphs;
+reads `config`, the settings) <- `decode`, `seal` <- `selfcheck`.
 """
 
-from . import selfcheck  # noqa: E402  (after the modules it checks)
+from . import precompiled, selfcheck  # noqa: E402  (after the modules it checks)
 from .build import active_backend
 from .config import KernelConfig, configured, set_config
 from .decode import (
@@ -35,4 +35,4 @@ KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_
 
 __all__ = ["KERNELS", "KernelConfig", "MAX_QUERY_TOKENS", "SplitCounter", "active_backend", "assemble", "affine_attend",
            "affine_supported", "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_splits",
-           "configured", "seal_records", "selfcheck", "set_config", "unpack_records"]
+           "configured", "precompiled", "seal_records", "selfcheck", "set_config", "unpack_records"]

@@ -1,9 +1,11 @@
 """Where the kernels run: the choice of backend, launching a kernel there, and compiled decode graphs.
 
-A kernel's text comes from `sources` (one body per kernel, a prelude per backend). On a GPU backend `launch`
-hands it to mx.fast.cuda_kernel or mx.fast.metal_kernel; on the CPU there is no kernel (callers use the
-pure-MLX reference), except inside `threads.on_cpu_threads()`, where the tests run the CUDA or Metal source
-on CPU threads.
+A kernel's text comes from `sources` (one body per kernel, a prelude per backend). On CUDA `launch` runs the
+cubin that `precompiled` keeps on disk (compiled by NVRTC once per machine) through
+mx.fast.precompiled_cuda_kernel, or, where that cannot be had (said once), hands the text to
+mx.fast.cuda_kernel, which compiles it in each process; on Metal to mx.fast.metal_kernel. On the CPU there is
+no kernel (callers use the pure-MLX reference), except inside `threads.on_cpu_threads()`, where the tests run
+the CUDA or Metal source on CPU threads.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import config, threads
+from . import config, precompiled, threads
 from .sources import METAL_CONSTANT_SIZE, assemble, compact, cuda_name
 
 
@@ -71,6 +73,7 @@ def forget_kernels() -> None:
     """Drop the compiled kernel objects and graphs, so the next launch compiles the sources as they read now."""
     _kernel.cache_clear()
     _compiled.cache_clear()
+    precompiled.forget()
 
 
 @cache
@@ -96,6 +99,14 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
         return threads.launch(name, inputs, outputs, grid, threadgroup, template, source=source)
     if backend == "metal":
         inputs = metal_device_inputs(inputs)
+    elif config.current().kernel_cache:
+        found = precompiled.binary(name, tuple((k, a.dtype) for k, a in inputs.items()),
+                                   tuple((k, d) for k, (_, d) in outputs.items()), tuple(template.items()))
+        if found is not None:
+            return mx.fast.precompiled_cuda_kernel(
+                name=found[0], compiled_source=found[1], inputs=list(inputs.values()),
+                output_shapes=[s for s, _ in outputs.values()], output_dtypes=[d for _, d in outputs.values()],
+                scalars=[], grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True)
     kernel = _kernel(name, backend, tuple(inputs), tuple(outputs))
     return kernel(
         inputs=list(inputs.values()),

@@ -24,10 +24,11 @@ class KernelConfig:
     compile_graphs: bool = True  # decode attention replays one mx.compile graph per launch geometry (build.run_graph)
     ring: str = "auto"  # kvarn_decode stages code words through its cp.async ring: "on", "off", "auto" (long contexts)
     merge_in_kernel: bool = True  # CUDA: the split kernels merge their own splits (one launch a layer)
+    kernel_cache: bool = True  # CUDA: kernels compiled once per machine, kept on disk (precompiled.py)
 
 
 ENVIRONMENT = {"compile_graphs": "GMLX_COMPILE_DECODE", "ring": "GMLX_KVARN_RING",
-               "merge_in_kernel": "GMLX_MERGE_IN_KERNEL"}
+               "merge_in_kernel": "GMLX_MERGE_IN_KERNEL", "kernel_cache": "GMLX_KERNEL_CACHE"}
 # variables of earlier versions: refused with what replaced them, rather than ignored
 RETIRED = {"GMLX_KVARN_PREFETCH": "GMLX_KVARN_RING=auto|on|off (prefetch levels 1 and 2 were removed)",
            "GMLX_KVARN_MIN_BLOCKS": "nothing (kvarn_decode's launch bounds are fixed: 3 threadgroups a multiprocessor)"}
