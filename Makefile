@@ -35,7 +35,7 @@ lint: $(STAMP)
 test: $(STAMP)
 	bash tools/system_deps.sh
 	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks notebooks
-	# tests/test_book.py runs every notebook once (the check nbval-lax made) and builds and browses the book from it.
+	# tests/test_browser.py runs every notebook once, in JupyterLab (the check nbval-lax made), and builds and browses the book from those runs.
 	$(BLAS_ENV) $(PY) -m pytest tests
 
 clean:
