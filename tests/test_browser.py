@@ -2,9 +2,9 @@
 driven and 03's records shown (the README's images); then the book built from those runs, every page opened.
 
 Needs Debian's chromium (`bash tools/system_deps.sh`) and the Python playwright package (`pip install -e .[test]`);
-Playwright's own browser download is never used. One JupyterLab server and one browser serve every notebook, each
-notebook on a fresh workspace whose kernel is shut down after it. Every request that is not to localhost is aborted
-and fails the test, so figures and widgets are proven to render offline.
+Playwright's own browser download is never used. One JupyterLab server and one browser page serve every notebook,
+each notebook opened alone in the page (loaded once) with a new kernel that is shut down after it. Every request
+that is not to localhost is aborted and fails the test, so figures and widgets are proven to render offline.
 
 Screenshots: build/screenshots/NN_name/page-KK.png (git-ignored), the notebook panel from top to bottom one screen
 at a time, so a person (or an agent with an image viewer) can read each notebook as a learner sees it; plus
@@ -121,7 +121,8 @@ class Lab:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-             f"--ServerApp.root_dir={self.root}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}"],
+             f"--ServerApp.root_dir={self.root}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
+             "--LabApp.expose_app_in_browser=True"],  # window.jupyterapp: the test reads the cells' state
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{port}"
         _wait_ready(self.api("status"), self.proc)
@@ -151,7 +152,7 @@ class Browser:
     """Headless chromium on the lab, every request outside localhost aborted and recorded."""
 
     def __init__(self, playwright, lab: Lab):
-        self.lab, self.outside = lab, []
+        self.lab, self.outside, self.loaded = lab, [], False
         self.browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
         self.page = self.browser.new_page(viewport=VIEWPORT)
         self.page.route("**/*", self.guard)
@@ -164,37 +165,56 @@ class Browser:
             self.outside.append(route.request.url)
             route.abort()
 
-    def run_all(self, name: str):
-        """Open a notebook on a fresh workspace, wait for its kernel, run every cell, wait until all ran; return
-        the locator of its panel."""
+    def run_all(self, name: str, times: dict[str, float]):
+        """Open a notebook alone in the page, wait for its kernel, run every cell, wait until all ran; return the
+        locator of its panel. `times` gets the seconds of each phase ("open", "run")."""
         from playwright.sync_api import expect
 
-        page = self.page
-        page.goto(f"{self.lab.base}/lab/workspaces/{name.split('.')[0]}/tree/{name}?reset&token={self.lab.token}")
+        page, start = self.page, time.monotonic()
+        if self.loaded:  # close the last notebook (its kernel is already shut down) and open this one in place
+            page.evaluate("""async name => {
+                for (const w of [...window.jupyterapp.shell.widgets('main')]) {
+                    if (w.context) w.context.model.dirty = false;  // saved by the test; nothing to ask
+                    w.dispose();
+                }
+                await window.jupyterapp.commands.execute('docmanager:open', {path: name});
+            }""", name)
+        else:  # JupyterLab's page loads once, on a fresh workspace
+            page.goto(f"{self.lab.base}/lab/workspaces/test/tree/{name}?reset&token={self.lab.token}")
+            self.loaded = True
         panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")  # the notebook's own tab, not another one
         expect(panel.locator(".jp-Cell").first).to_be_visible()
+        page.wait_for_function("""name => [...window.jupyterapp.shell.widgets('main')].some(w =>
+            w.context?.path === name && w.sessionContext?.session?.kernel?.status === 'idle')""", arg=name,
+                               polling=200, timeout=120_000)
         expect(page.locator("#jp-main-statusbar .jp-StatusBar-TextItem", has_text="| Idle").first).to_be_visible()
+        times["open"] = time.monotonic() - start
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         self.wait_until_run(name)
+        times["run"] = time.monotonic() - start - times["open"]
         return panel
 
     def wait_until_run(self, name: str) -> None:
-        """Save every few seconds and read the file until every code cell has its execution count (JupyterLab sets
-        it when the cell's run ends; a cell whose input is folded shows no prompt to read) or one holds an error."""
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self.page.wait_for_timeout(3000)
-            self.page.keyboard.press("Control+s")
-            self.page.wait_for_timeout(500)
-            try:
-                cells = [c for c in nbformat.read(self.lab.root / name, as_version=4).cells if c.cell_type == "code"]
-            except (OSError, ValueError):
-                continue  # caught mid-write: read it next time
-            if all(c.execution_count is not None for c in cells) or any(
-                    o.output_type == "error" for c in cells for o in c.outputs):
-                return
-        raise TimeoutError(f"{name}: not every cell ran within {RUN_TIMEOUT_S} s")
+        """Wait until every code cell of the notebook's model has its execution count (JupyterLab sets it when the
+        cell's run ends) or one holds an error; read from JupyterLab's own model (window.jupyterapp) twice a
+        second, so nothing is saved or parsed while the kernel works."""
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        done = """name => {
+            for (const w of window.jupyterapp.shell.widgets('main')) {
+                if (!w.context || w.context.path !== name) continue;
+                const code = w.content.widgets.filter(c => c.model.type === 'code');
+                const failed = code.some(c => { const o = c.model.outputs;
+                    return Array.from({length: o.length}, (_, i) => o.get(i).type).includes('error'); });
+                return failed || code.every(c => c.model.executionCount !== null);
+            }
+            return false;
+        }"""
+        try:
+            self.page.wait_for_function(done, arg=name, polling=500, timeout=RUN_TIMEOUT_S * 1000)
+        except PlaywrightTimeout:
+            raise TimeoutError(f"{name}: not every cell ran within {RUN_TIMEOUT_S} s") from None
 
     def save(self) -> None:
         from playwright.sync_api import expect
@@ -217,8 +237,10 @@ class Browser:
         last = max(0, int(end) - screen)
         shots = []
         for i, top in enumerate([*range(0, last, step), last]):
-            scroller.evaluate(f"e => e.scrollTo(0, {top})")
-            self.page.wait_for_timeout(400)  # plotly redraws what comes into view
+            # scrolled, then two frames drawn (plotly redraws what comes into view) and a moment to settle
+            scroller.evaluate(f"e => {{ e.scrollTo(0, {top}); return new Promise(r => "
+                              "requestAnimationFrame(() => requestAnimationFrame(r))); }")
+            self.page.wait_for_timeout(100)
             shots.append(folder / f"page-{i + 1:02d}.png")
             panel.screenshot(path=str(shots[-1]))
         return shots
@@ -295,16 +317,20 @@ CHECKS = {"06": _live_compare_streams, "03": _records_render}
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_in_jupyterlab(browser: Browser, lab: Lab, path: Path) -> None:
-    start = time.monotonic()
+    start, times = time.monotonic(), {}
     try:
-        panel = browser.run_all(path.name)
+        panel = browser.run_all(path.name, times)
         ran = time.monotonic() - start
         shown = panel.locator(".jp-OutputArea-output").filter(has_text="Traceback (most recent call last)")
         assert shown.count() == 0, f"{path.name} shows a traceback: {shown.first.inner_text()[:2000]}"
         if path.name[:2] in CHECKS:
             CHECKS[path.name[:2]](browser, panel)
+        times["checks"] = time.monotonic() - start - ran
         browser.save()
+        times["save"] = time.monotonic() - start - ran - times["checks"]
+        mark = time.monotonic()
         shots = browser.screenshots(panel, SHOTS / path.stem)
+        times["screenshots"] = time.monotonic() - mark
     finally:
         lab.shutdown_kernels()
     saved = lab.root / path.name
@@ -320,7 +346,8 @@ def test_notebook_runs_in_jupyterlab(browser: Browser, lab: Lab, path: Path) -> 
     assert copies <= 1, f"{path.name} saved from JupyterLab holds plotly.js {copies} times ({size} bytes)"
     book.keep(nb, ran, EXECUTED / path.name)
     kept.add(path.name)
-    print(f"\n[browser] {path.name}: {time.monotonic() - start:.0f} s (Run All {ran:.0f} s), saved {size / 1e6:.2f} MB "
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+    print(f"\n[browser] {path.name}: {time.monotonic() - start:.0f} s ({phases}), saved {size / 1e6:.2f} MB "
           f"(plotly.js {copies}x), "
           f"{len(shots)} screenshots in {shots[0].parent.relative_to(ROOT)}")
 
