@@ -332,7 +332,9 @@ def test_notebook_runs_in_jupyterlab(browser: Browser, lab: Lab, path: Path) -> 
         shots = browser.screenshots(panel, SHOTS / path.stem)
         times["screenshots"] = time.monotonic() - mark
     finally:
+        mark = time.monotonic()
         lab.shutdown_kernels()
+        times["shutdown"] = time.monotonic() - mark
     saved = lab.root / path.name
     nb = nbformat.read(saved, as_version=4)
     errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(nb.cells) if c.cell_type == "code"
