@@ -36,7 +36,7 @@ test: $(STAMP)
 	bash tools/system_deps.sh
 	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks notebooks
 	# tests/test_browser.py runs every notebook once, in JupyterLab (the check nbval-lax made), and builds and browses the book from those runs.
-	$(BLAS_ENV) $(PY) -m pytest tests
+	$(BLAS_ENV) $(PY) -m pytest tests --durations=30
 
 clean:
 	rm -rf $(VENV) .pytest_cache build
