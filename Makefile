@@ -35,8 +35,8 @@ lint: $(STAMP)
 test: $(STAMP)
 	bash tools/system_deps.sh
 	$(VENV)/bin/ruff check gmlx_lab tests tools benchmarks notebooks
-	# tests/test_book.py runs every notebook once (the check nbval-lax made) and builds and browses the book from it.
-	$(BLAS_ENV) $(PY) -m pytest tests
+	# tests/test_browser.py runs every notebook once, in JupyterLab (the check nbval-lax made), and builds and browses the book from those runs.
+	$(BLAS_ENV) $(PY) -m pytest tests --durations=30
 
 clean:
 	rm -rf $(VENV) .pytest_cache build

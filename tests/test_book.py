@@ -1,20 +1,12 @@
-"""The book: every notebook runs without error (the run the book renders), and the site shows every figure.
+"""The book's parts: the batch runner (`gmlx-lab book`), the static widgets, the pages.
 
-One execution serves both: each `test_notebook_runs` saves its executed notebook in build/book/executed/, and
-`test_book_site_renders` builds build/book/ from those files and opens each page in headless Chromium over a
-localhost server: every plotly figure drawn by the bundled plotly.js, no script error, no request outside
-localhost, the run box on every page. (CI ran the notebooks with `pytest --nbval-lax` before; this replaces
-that run rather than adding one.) The browser part needs Debian's chromium and the playwright package, as
-tests/test_browser.py does.
+The book `make test` builds is rendered from the notebooks JupyterLab saved in tests/test_browser.py (one run of
+every notebook serves both checks); `test_book_site_renders` there opens each page in headless Chromium.
 """
 
 from __future__ import annotations
 
-import functools
-import http.server
-import os
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -23,23 +15,6 @@ import pytest
 
 from gmlx_lab import book
 from gmlx_lab.book import run, site, widgets
-
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-OUT = ROOT / "build" / "book"
-EXECUTED = OUT / "executed"
-CHROMIUM = Path(os.environ.get("GMLX_CHROMIUM", "/usr/bin/chromium"))
-ran_here: set[str] = set()  # notebooks executed by this test session (older files in EXECUTED may be stale)
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path: Path) -> None:
-    """Every cell runs without raising, as `pytest --nbval-lax` checked; the executed copy is kept for the book."""
-    result = book.execute_to(path, EXECUTED)  # raises NotebookFailed, naming the cell, on the first error
-    ran_here.add(path.name)
-    code = [c for c in result.nb.cells if c.cell_type == "code"]
-    assert [c.execution_count for c in code] == list(range(1, len(code) + 1))  # every cell ran, in order
-    assert (EXECUTED / path.name).is_file()
 
 
 def test_widget_cell_does_not_wait_out_its_timeout(tmp_path: Path) -> None:
@@ -115,11 +90,18 @@ def test_static_notebook_leaves_no_widget_state_and_no_plotly_json() -> None:
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("fig")
     cell.outputs = [nbformat.v4.new_output("display_data", data={site.PLOTLY: {"data": [], "layout": {}}})]
-    nb.cells = [cell]
+    from plotly.offline import get_plotlyjs
+
+    library = nbformat.v4.new_code_cell("from gmlx_lab import viz")  # what JupyterLab's run saves (viz/plotlyjs.py)
+    library.outputs = [nbformat.v4.new_output("display_data", data={"text/html": f"<script>{get_plotlyjs()}</script>"}),
+                       nbformat.v4.new_output("stream", text="kept\n")]
+    nb.cells = [library, cell]
     nb.metadata["widgets"] = {widgets.WIDGET_STATE: {"state": {}}}
     static = site.static_notebook(nb)
     assert "widgets" not in static.metadata and "widgets" in nb.metadata  # the executed notebook is not changed
-    assert list(static.cells[0].outputs[0]["data"]) == ["text/html"]
+    assert [o["output_type"] for o in static.cells[0].outputs] == ["stream"]  # the site loads plotly.js once
+    assert len(nb.cells[0].outputs) == 2
+    assert list(static.cells[1].outputs[0]["data"]) == ["text/html"]
 
 
 def test_binder_links_name_the_notebook() -> None:
@@ -134,106 +116,3 @@ def test_load_pages_refuses_a_notebook_it_did_not_execute(tmp_path: Path) -> Non
         book.load_pages(tmp_path, ["00_x.ipynb"])
     with pytest.raises(FileNotFoundError, match="01_y.ipynb not found"):
         book.load_pages(tmp_path, ["01_y.ipynb"])
-
-
-def _require_browser() -> None:
-    missing = [] if CHROMIUM.exists() else [f"chromium ({CHROMIUM})"]
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        missing.append("the playwright Python package")
-    if missing:
-        message = (f"the book's browser test needs {' and '.join(missing)}: `bash tools/system_deps.sh`, "
-                   "`pip install -e .[test]`")
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    """Serves the site's files without a log line per request."""
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-@pytest.fixture()
-def served_book():
-    """The book built from this session's executed notebooks, served on a free localhost port."""
-    _require_browser()
-    for path in NOTEBOOKS:
-        if path.name not in ran_here:  # this test alone: run what the parametrized test did not
-            book.execute_to(path, EXECUTED)
-            ran_here.add(path.name)
-    pages = book.build(ROOT / "notebooks", OUT, executed=EXECUTED, repo="gmlx/gmlx_lab")
-    handler = functools.partial(QuietHandler, directory=str(OUT))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", pages
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _hover_label(page) -> bool:
-    """Move the mouse across the first figure until plotly shows a hover label (it is live, not a picture)."""
-    plot = page.locator(".js-plotly-plot").first
-    plot.scroll_into_view_if_needed()
-    box = plot.locator(".nsewdrag").first.bounding_box()
-    for i in range(1, 20):
-        page.mouse.move(box["x"] + box["width"] * i / 20, box["y"] + box["height"] / 2)
-        page.wait_for_timeout(100)
-        if page.locator(".hoverlayer .hovertext").count():
-            return True
-    return False
-
-
-def test_book_site_renders(served_book, monkeypatch) -> None:
-    """Every page: its plotly figures drawn (live: each has its mode bar, and one shows a hover label), no script
-    error, nothing fetched from outside localhost, the run box with Binder and the two local commands; and the
-    index links them all."""
-    from playwright.sync_api import sync_playwright
-
-    base, pages = served_book
-    monkeypatch.delenv("LD_PRELOAD", raising=False)  # OpenBLAS preloaded by make test breaks chromium's threads
-    outside, errors, hovered = [], [], False
-    shots = OUT / "screenshots"
-    shots.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        page = browser.new_page(viewport={"width": 1300, "height": 1600})
-
-        def guard(route) -> None:
-            if route.request.url.startswith((base, "data:", "blob:")):
-                route.continue_()
-            else:
-                outside.append(route.request.url)
-                route.abort()
-
-        page.route("**/*", guard)
-        page.on("pageerror", lambda exc: errors.append(f"{page.url}: {exc}"))
-        page.goto(f"{base}/index.html")
-        links = page.locator("table a").evaluate_all("links => links.map(a => a.getAttribute('href'))")
-        assert links == [p.name for p in pages]
-        for target in pages:
-            figures = target.read_text(encoding="utf-8").count('class="plotly-graph-div"')
-            page.goto(f"{base}/{target.name}")
-            page.wait_for_function(
-                "n => document.querySelectorAll('.plotly-graph-div').length === n && "
-                "[...document.querySelectorAll('.plotly-graph-div')].every(d => d._fullLayout)",
-                arg=figures, timeout=60_000)
-            assert page.locator(".js-plotly-plot .main-svg").count() >= figures, target.name
-            assert page.locator(".modebar-container").count() == figures, target.name  # zoom/pan: live figures
-            run_box = page.locator(".book-run").inner_text()
-            assert "make lab" in run_box and "make test" in run_box and "Binder" in run_box, target.name
-            binder = page.locator("a.book-binder").get_attribute("href")
-            assert binder.endswith(f"labpath=notebooks/{target.with_suffix('.ipynb').name}")
-            page.screenshot(path=str(shots / target.with_suffix(".png").name))
-            if figures and not hovered:
-                hovered = _hover_label(page)
-        browser.close()
-    assert hovered, "no figure showed a hover label"
-    assert not errors, errors[:5]
-    assert not outside, f"the book tried to reach outside localhost: {outside[:5]}"

@@ -1,25 +1,34 @@
 """Every notebook in a real browser: JupyterLab headless, Run All, no error, a screenshot of each; 06's live compare
-driven and 03's records shown (the README's images).
+driven and 03's records shown (the README's images); then the book built from those runs, every page opened.
 
 Needs Debian's chromium (`bash tools/system_deps.sh`) and the Python playwright package (`pip install -e .[test]`);
-Playwright's own browser download is never used. One JupyterLab server and one browser serve every notebook, each
-notebook on a fresh workspace whose kernel is shut down after it. Every request that is not to localhost is aborted
-and fails the test, so figures and widgets are proven to render offline.
+Playwright's own browser download is never used. One JupyterLab server and one browser page serve every notebook,
+each notebook opened alone in the page (loaded once) with a new kernel that is shut down after it. Every request
+that is not to localhost is aborted and fails the test, so figures and widgets are proven to render offline.
 
 Screenshots: build/screenshots/NN_name/page-KK.png (git-ignored), the notebook panel from top to bottom one screen
 at a time, so a person (or an agent with an image viewer) can read each notebook as a learner sees it; plus
-docs/images/notebook06.png and notebook03.png. The notebook is saved from JupyterLab after the run, so its error
-outputs are read from the file and its saved size is checked: plotly.js once (gmlx_lab/viz/plotlyjs.py).
+docs/images/notebook06.png and notebook03.png. The notebook is saved from JupyterLab after the run, widget state
+included, so its error outputs are read from the file and its saved size is checked: plotly.js once
+(gmlx_lab/viz/plotlyjs.py).
+
+One run serves two checks: each saved notebook is kept in build/book/executed/ (the check `pytest --nbval-lax`
+once made: every cell ran, in order, none raised), and `test_book_site_renders` builds build/book/ from those
+files and opens each page over a localhost server: every plotly figure drawn by the site's plotly.js, no script
+error, no request outside localhost, the run box on every page.
 """
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -29,9 +38,14 @@ import pytest
 from conftest import occurrences
 from plotly.offline import get_plotlyjs
 
+from gmlx_lab import book
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SHOTS = ROOT / "build" / "screenshots"
+BOOK = ROOT / "build" / "book"
+EXECUTED = BOOK / "executed"
+kept: set[str] = set()  # notebooks this session ran and kept in EXECUTED (older files there may be stale)
 SCREENSHOT_06 = ROOT / "docs" / "images" / "notebook06.png"
 SCREENSHOT_03 = ROOT / "docs" / "images" / "notebook03.png"
 CHROMIUM = Path(os.environ.get("GMLX_CHROMIUM", "/usr/bin/chromium"))
@@ -82,14 +96,15 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 def _settings(folder: Path) -> None:
     """No news toast over the screenshots; every cell rendered (no windowing), so prompts and outputs can be read;
-    no autosave."""
+    no autosave; widget state saved with the notebook (the book draws it)."""
     for plugin, values in {
-        "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
-        "notebook-extension/tracker": {"windowingMode": "none"},
+        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
         # the test saves once, at the end: an autosave during a long run made JupyterLab ask "File Changed"
-        "docmanager-extension/plugin": {"autosave": False},
+        "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
+        "@jupyter-widgets/jupyterlab-manager/plugin": {"saveState": True},
     }.items():
-        path = folder / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        path = folder / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
 
@@ -106,7 +121,8 @@ class Lab:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-             f"--ServerApp.root_dir={self.root}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}"],
+             f"--ServerApp.root_dir={self.root}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
+             "--LabApp.expose_app_in_browser=True"],  # window.jupyterapp: the test reads the cells' state
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{port}"
         _wait_ready(self.api("status"), self.proc)
@@ -136,7 +152,7 @@ class Browser:
     """Headless chromium on the lab, every request outside localhost aborted and recorded."""
 
     def __init__(self, playwright, lab: Lab):
-        self.lab, self.outside = lab, []
+        self.lab, self.outside, self.loaded = lab, [], False
         self.browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
         self.page = self.browser.new_page(viewport=VIEWPORT)
         self.page.route("**/*", self.guard)
@@ -149,37 +165,56 @@ class Browser:
             self.outside.append(route.request.url)
             route.abort()
 
-    def run_all(self, name: str):
-        """Open a notebook on a fresh workspace, wait for its kernel, run every cell, wait until all ran; return
-        the locator of its panel."""
+    def run_all(self, name: str, times: dict[str, float]):
+        """Open a notebook alone in the page, wait for its kernel, run every cell, wait until all ran; return the
+        locator of its panel. `times` gets the seconds of each phase ("open", "run")."""
         from playwright.sync_api import expect
 
-        page = self.page
-        page.goto(f"{self.lab.base}/lab/workspaces/{name.split('.')[0]}/tree/{name}?reset&token={self.lab.token}")
+        page, start = self.page, time.monotonic()
+        if self.loaded:  # close the last notebook (its kernel is already shut down) and open this one in place
+            page.evaluate("""async name => {
+                for (const w of [...window.jupyterapp.shell.widgets('main')]) {
+                    if (w.context) w.context.model.dirty = false;  // saved by the test; nothing to ask
+                    w.dispose();
+                }
+                await window.jupyterapp.commands.execute('docmanager:open', {path: name});
+            }""", name)
+        else:  # JupyterLab's page loads once, on a fresh workspace
+            page.goto(f"{self.lab.base}/lab/workspaces/test/tree/{name}?reset&token={self.lab.token}")
+            self.loaded = True
         panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")  # the notebook's own tab, not another one
         expect(panel.locator(".jp-Cell").first).to_be_visible()
+        page.wait_for_function("""name => [...window.jupyterapp.shell.widgets('main')].some(w =>
+            w.context?.path === name && w.sessionContext?.session?.kernel?.status === 'idle')""", arg=name,
+                               polling=200, timeout=120_000)
         expect(page.locator("#jp-main-statusbar .jp-StatusBar-TextItem", has_text="| Idle").first).to_be_visible()
+        times["open"] = time.monotonic() - start
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         self.wait_until_run(name)
+        times["run"] = time.monotonic() - start - times["open"]
         return panel
 
     def wait_until_run(self, name: str) -> None:
-        """Save every few seconds and read the file until every code cell has its execution count (JupyterLab sets
-        it when the cell's run ends; a cell whose input is folded shows no prompt to read) or one holds an error."""
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self.page.wait_for_timeout(3000)
-            self.page.keyboard.press("Control+s")
-            self.page.wait_for_timeout(500)
-            try:
-                cells = [c for c in nbformat.read(self.lab.root / name, as_version=4).cells if c.cell_type == "code"]
-            except (OSError, ValueError):
-                continue  # caught mid-write: read it next time
-            if all(c.execution_count is not None for c in cells) or any(
-                    o.output_type == "error" for c in cells for o in c.outputs):
-                return
-        raise TimeoutError(f"{name}: not every cell ran within {RUN_TIMEOUT_S} s")
+        """Wait until every code cell of the notebook's model has its execution count (JupyterLab sets it when the
+        cell's run ends) or one holds an error; read from JupyterLab's own model (window.jupyterapp) twice a
+        second, so nothing is saved or parsed while the kernel works."""
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        done = """name => {
+            for (const w of window.jupyterapp.shell.widgets('main')) {
+                if (!w.context || w.context.path !== name) continue;
+                const code = w.content.widgets.filter(c => c.model.type === 'code');
+                const failed = code.some(c => { const o = c.model.outputs;
+                    return Array.from({length: o.length}, (_, i) => o.get(i).type).includes('error'); });
+                return failed || code.every(c => c.model.executionCount !== null);
+            }
+            return false;
+        }"""
+        try:
+            self.page.wait_for_function(done, arg=name, polling=500, timeout=RUN_TIMEOUT_S * 1000)
+        except PlaywrightTimeout:
+            raise TimeoutError(f"{name}: not every cell ran within {RUN_TIMEOUT_S} s") from None
 
     def save(self) -> None:
         from playwright.sync_api import expect
@@ -202,8 +237,10 @@ class Browser:
         last = max(0, int(end) - screen)
         shots = []
         for i, top in enumerate([*range(0, last, step), last]):
-            scroller.evaluate(f"e => e.scrollTo(0, {top})")
-            self.page.wait_for_timeout(400)  # plotly redraws what comes into view
+            # scrolled, then two frames drawn (plotly redraws what comes into view) and a moment to settle
+            scroller.evaluate(f"e => {{ e.scrollTo(0, {top}); return new Promise(r => "
+                              "requestAnimationFrame(() => requestAnimationFrame(r))); }")
+            self.page.wait_for_timeout(100)
             shots.append(folder / f"page-{i + 1:02d}.png")
             panel.screenshot(path=str(shots[-1]))
         return shots
@@ -280,25 +317,123 @@ CHECKS = {"06": _live_compare_streams, "03": _records_render}
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_in_jupyterlab(browser: Browser, lab: Lab, path: Path) -> None:
-    start = time.monotonic()
+    start, times = time.monotonic(), {}
     try:
-        panel = browser.run_all(path.name)
+        panel = browser.run_all(path.name, times)
+        ran = time.monotonic() - start
         shown = panel.locator(".jp-OutputArea-output").filter(has_text="Traceback (most recent call last)")
         assert shown.count() == 0, f"{path.name} shows a traceback: {shown.first.inner_text()[:2000]}"
         if path.name[:2] in CHECKS:
             CHECKS[path.name[:2]](browser, panel)
+        times["checks"] = time.monotonic() - start - ran
         browser.save()
+        times["save"] = time.monotonic() - start - ran - times["checks"]
+        mark = time.monotonic()
         shots = browser.screenshots(panel, SHOTS / path.stem)
+        times["screenshots"] = time.monotonic() - mark
     finally:
+        mark = time.monotonic()
         lab.shutdown_kernels()
+        times["shutdown"] = time.monotonic() - mark
     saved = lab.root / path.name
     nb = nbformat.read(saved, as_version=4)
     errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(nb.cells) if c.cell_type == "code"
               for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: error outputs (cell, name, value): {errors}"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1))  # every cell ran, in order
+    assert nb.metadata.get("widgets") or not any("widget-view" in str(c.outputs) for c in code), "no widget state"
     size = saved.stat().st_size
     copies = occurrences(nb, get_plotlyjs()[:300])
     assert copies <= 1, f"{path.name} saved from JupyterLab holds plotly.js {copies} times ({size} bytes)"
-    print(f"\n[browser] {path.name}: {time.monotonic() - start:.0f} s, saved {size / 1e6:.2f} MB "
+    book.keep(nb, ran, EXECUTED / path.name)
+    kept.add(path.name)
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+    print(f"\n[browser] {path.name}: {time.monotonic() - start:.0f} s ({phases}), saved {size / 1e6:.2f} MB "
           f"(plotly.js {copies}x), "
           f"{len(shots)} screenshots in {shots[0].parent.relative_to(ROOT)}")
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the site's files without a log line per request."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture()
+def served_book():
+    """The book built from the notebooks this session ran in JupyterLab, served on a free localhost port."""
+    _require_browser()
+    for path in NOTEBOOKS:
+        if path.name not in kept:  # this test alone (or a notebook's test failed): the batch run stands in
+            book.execute_to(path, EXECUTED)
+    pages = book.build(ROOT / "notebooks", BOOK, executed=EXECUTED, repo="gmlx/gmlx_lab")
+    handler = functools.partial(QuietHandler, directory=str(BOOK))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", pages
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _hover_label(page) -> bool:
+    """Move the mouse across the first figure until plotly shows a hover label (it is live, not a picture)."""
+    plot = page.locator(".js-plotly-plot").first
+    plot.scroll_into_view_if_needed()
+    box = plot.locator(".nsewdrag").first.bounding_box()
+    for i in range(1, 20):
+        page.mouse.move(box["x"] + box["width"] * i / 20, box["y"] + box["height"] / 2)
+        page.wait_for_timeout(100)
+        if page.locator(".hoverlayer .hovertext").count():
+            return True
+    return False
+
+
+def test_book_site_renders(browser: Browser, served_book) -> None:
+    """Every page: its plotly figures drawn (live: each has its mode bar, and one shows a hover label), no script
+    error, nothing fetched from outside localhost, the run box with Binder and the two local commands; and the
+    index links them all."""
+    base, pages = served_book
+    outside, errors, hovered = [], [], False
+    shots = BOOK / "screenshots"
+    shots.mkdir(exist_ok=True)
+    page = browser.browser.new_page(viewport={"width": 1300, "height": 1600})
+
+    def guard(route) -> None:
+        if route.request.url.startswith((base, "data:", "blob:")):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", guard)
+    page.on("pageerror", lambda exc: errors.append(f"{page.url}: {exc}"))
+    try:
+        page.goto(f"{base}/index.html")
+        links = page.locator("table a").evaluate_all("links => links.map(a => a.getAttribute('href'))")
+        assert links == [p.name for p in pages]
+        for target in pages:
+            figures = target.read_text(encoding="utf-8").count('class="plotly-graph-div"')
+            page.goto(f"{base}/{target.name}")
+            page.wait_for_function(
+                "n => document.querySelectorAll('.plotly-graph-div').length === n && "
+                "[...document.querySelectorAll('.plotly-graph-div')].every(d => d._fullLayout)",
+                arg=figures, timeout=60_000)
+            assert page.locator(".js-plotly-plot .main-svg").count() >= figures, target.name
+            assert page.locator(".modebar-container").count() == figures, target.name  # zoom/pan: live figures
+            run_box = page.locator(".book-run").inner_text()
+            assert "make lab" in run_box and "make test" in run_box and "Binder" in run_box, target.name
+            binder = page.locator("a.book-binder").get_attribute("href")
+            assert binder.endswith(f"labpath=notebooks/{target.with_suffix('.ipynb').name}")
+            page.screenshot(path=str(shots / target.with_suffix(".png").name))
+            if figures and not hovered:
+                hovered = _hover_label(page)
+    finally:
+        page.close()
+    assert hovered, "no figure showed a hover label"
+    assert not errors, errors[:5]
+    assert not outside, f"the book tried to reach outside localhost: {outside[:5]}"

@@ -23,7 +23,7 @@ import nbformat
 from .run import PeakMemory, Run, execute
 from .site import Page, build_site, github_repo
 
-__all__ = ["PeakMemory", "Run", "build", "execute", "execute_to", "load_pages"]
+__all__ = ["PeakMemory", "Run", "build", "execute", "execute_to", "keep", "load_pages"]
 
 META = "gmlx_book"  # notebook metadata key: the run's seconds and date
 # The batch kernel's plotly renderer: figures as JSON only. The default adds a 4.8 MB copy of plotly.js to the
@@ -34,10 +34,19 @@ KERNEL_ENV = {"PLOTLY_RENDERER": "plotly_mimetype", "HF_HUB_OFFLINE": "1"}
 def execute_to(path: Path, folder: Path) -> Run:
     """Run one notebook (`run.execute`) and save it, outputs, widget state and run time included, in `folder`."""
     run = execute(path, env=KERNEL_ENV)
-    run.nb.metadata[META] = {"seconds": round(run.seconds, 1), "date": datetime.date.today().isoformat()}
-    folder.mkdir(parents=True, exist_ok=True)
-    nbformat.write(run.nb, folder / path.name)
+    keep(run.nb, run.seconds, folder / path.name)
     return run
+
+
+def keep(nb: nbformat.NotebookNode, seconds: float, file: Path) -> None:
+    """Save an executed notebook (outputs and widget state) as a page's source, with its run time and date.
+
+    Used by `execute_to` and by tests/test_browser.py, which keeps each notebook as JupyterLab saved it after
+    Run All, so `make test` runs every notebook once for both checks.
+    """
+    nb.metadata[META] = {"seconds": round(seconds, 1), "date": datetime.date.today().isoformat()}
+    file.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, file)
 
 
 def load_pages(folder: Path, names: list[str]) -> list[Page]:

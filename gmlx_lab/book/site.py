@@ -8,6 +8,7 @@ zoom), and widgets are drawn statically from their saved state (`gmlx_lab.book.w
 from __future__ import annotations
 
 import copy
+import functools
 import html
 import re
 import subprocess
@@ -93,10 +94,16 @@ def outputs_html(outputs: list[dict[str, Any]]) -> str:
 
 
 def static_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """A copy of an executed notebook whose plotly figures and widget views are HTML a static page can show."""
+    """A copy of an executed notebook whose plotly figures and widget views are HTML a static page can show.
+
+    A notebook saved from JupyterLab holds plotly.js itself once (gmlx_lab/viz/plotlyjs.py); that output is
+    dropped, since every page loads the site's one copy.
+    """
     nb = copy.deepcopy(nb)
     widgets = StaticWidgets(widget_state(nb), outputs_html)
     for cell in nb.cells:
+        if "outputs" in cell:
+            cell.outputs = [out for out in cell.outputs if not _is_plotlyjs(out)]
         for out in cell.get("outputs", []):
             data = out.get("data", {})
             if WIDGET_VIEW in data:
@@ -105,6 +112,19 @@ def static_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
                 out["data"] = {"text/html": plotly_html(data[PLOTLY])}
     nb.metadata.pop("widgets", None)
     return nb
+
+
+def _is_plotlyjs(out: dict[str, Any]) -> bool:
+    """Whether an output is plotly.js itself (an HTML output holding the library's source)."""
+    text = out.get("data", {}).get("text/html")
+    return text is not None and PLOTLY not in out.get("data", {}) and _plotlyjs_start() in _join(text)
+
+
+@functools.cache
+def _plotlyjs_start() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()[:300]
 
 
 def binder_url(repo: str | None, path: str) -> str | None:
