@@ -29,19 +29,28 @@ from gmlx_lab.records import encode_tokens
 HQ, HKV, D = 32, 8, 128
 
 
-def timed(fn: Callable[[], mx.array], iters: int, repeats: int) -> tuple[float, float]:
+def timed(fn: Callable[[], mx.array], iters: int, repeats: int, chain: list[mx.array] | None = None
+          ) -> tuple[float, float]:
     """Median microseconds per call of fn over `repeats` batches of `iters` calls: (eval, build).
 
     MLX is lazy: `fn()` only builds the graph (Python, CPU) and `mx.eval` runs it (kernel launches and
     GPU work). The two are timed apart; in a decode loop with `mx.async_eval` the CPU builds the next
     step's graph while the GPU runs this one, so the eval time is the attention's cost on the GPU.
+    `chain`: the queries fn reads, replaced by each call's output, so that each call waits for the one
+    before as a model's layers do (independent calls of one eval may run side by side on the GPU).
     """
-    mx.eval(fn())
-    mx.eval([fn() for _ in range(3)])
+    def call() -> mx.array:
+        out = fn()
+        if chain is not None:
+            chain[0] = out
+        return out
+
+    mx.eval(call())
+    mx.eval([call() for _ in range(3)])
     evals, builds = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        outs = [fn() for _ in range(iters)]
+        outs = [call() for _ in range(iters)]
         t1 = time.perf_counter()
         mx.eval(outs)
         t2 = time.perf_counter()
@@ -54,10 +63,15 @@ def nbytes(*arrays: mx.array | None) -> int:
     return sum(a.nbytes for a in arrays if a is not None)
 
 
-RING_IMPLS = {f"fused_kvarn{b}_ring_{ring}": (b, ring) for b in (6, 4) for ring in ("on", "off")}
+# rows that run a fused kernel under given settings whatever the process's (side by side in one run)
+SETTING_IMPLS = {**{f"fused_kvarn{b}_ring_{ring}": ("kvarn", b, {"ring": ring})
+                    for b in (6, 4) for ring in ("on", "off")},
+                 **{f"fused_{kind}{b}_{name}": (kind, b, {"merge_in_kernel": merge}) for kind, b in
+                    (("kvarn", 6), ("kvarn", 4), ("affine", 4)) for name, merge in (("merged", True),
+                                                                                    ("twolaunch", False))}}
 IMPLS = ("fp16_sdpa", "mlx_lm_affine8", "mlx_lm_affine4", "fused_affine8", "fused_affine4", "fused_kvarn6",
-         "fused_kvarn4", *RING_IMPLS)
-DEFAULT_IMPLS = IMPLS[:7]  # the _ring rows: kvarn_decode with its ring on and off whatever the setting, side by side
+         "fused_kvarn4", *SETTING_IMPLS)
+DEFAULT_IMPLS = IMPLS[:7]
 
 
 def copies_for(read: int, cold_bytes: int) -> int:
@@ -80,40 +94,40 @@ def cycling(calls: list[Callable[[], mx.array]]) -> Callable[[], mx.array]:
 Call = tuple[Callable[[], mx.array], int, dict]
 
 
-def sdpa_state(q: mx.array, k: mx.array, v: mx.array, scale: float) -> Call:
+def sdpa_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float) -> Call:
     """fp16 SDPA over its own copy of k, v: (call, bytes read a call, extra row fields)."""
     kc, vc = k + 0, v + 0  # buffers of their own
     mx.eval(kc, vc)
-    return lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=scale), nbytes(kc, vc), {}
+    return lambda: mx.fast.scaled_dot_product_attention(qs[0], kc, vc, scale=scale), nbytes(kc, vc), {}
 
 
-def mlx_lm_affine_state(q: mx.array, k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
+def mlx_lm_affine_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
     """mlx-lm's quantized attention (two quantized_matmul) at `bits`, group 64."""
     qk = mx.quantize(k, group_size=64, bits=bits)
     qv = mx.quantize(v, group_size=64, bits=bits)
     mx.eval(qk, qv)
-    return (lambda: quantized_scaled_dot_product_attention(q, qk, qv, scale=scale, mask=None, group_size=64,
+    return (lambda: quantized_scaled_dot_product_attention(qs[0], qk, qv, scale=scale, mask=None, group_size=64,
                                                            bits=bits), nbytes(*qk, *qv), {})
 
 
-def fused_affine_state(q: mx.array, k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
+def fused_affine_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
     """gmlx's AffineCache on its fused decode path."""
     c = AffineCache(bits, 64)
     kk, vv = c.update_and_fetch(k, v)
     c.attention_path = "fused"
     mx.eval(c.state[:2])
-    return lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"], {}
+    return lambda: c.attend(qs[0], kk, vv, scale, None), c.nbytes - c.regions()["reserve"], {}
 
 
-def fused_kvarn_state(q: mx.array, k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
+def fused_kvarn_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
     """gmlx's KVarNCache (tail 1024) on its fused decode path, in the steady state of a decode step."""
     c = KVarNCache(bits, bits, kv_tail_tokens=1024)
     c.update_and_fetch(k, v)
     c.seal()  # what the next token would seal: the steady state of a decode step
     c.attention_path = "fused"
-    kk, vv = c.fetch(q.dtype, decode_step=True)  # (a graph the fused path never evaluates)
+    kk, vv = c.fetch(qs[0].dtype, decode_step=True)  # (a graph the fused path never evaluates)
     mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.records])
-    return (lambda: c.attend(q, kk, vv, scale, None), c.nbytes - c.regions()["reserve"],
+    return (lambda: c.attend(qs[0], kk, vv, scale, None), c.nbytes - c.regions()["reserve"],
             {"records": c.n_records})
 
 
@@ -127,10 +141,11 @@ def random_qkv(tokens: int) -> tuple[mx.array, mx.array, mx.array]:
     return q, k, v
 
 
-def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS, cold_bytes: int = 0
-                  ) -> list[dict]:
+def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] = IMPLS, cold_bytes: int = 0,
+                  chain: bool = False) -> list[dict]:
     """The chosen implementations (fp16 SDPA always: the ratios need it) at one context length. With
-    `cold_bytes`, each one cycles through copies of its cache that together hold that many bytes (copies_for)."""
+    `cold_bytes`, each one cycles through copies of its cache that together hold that many bytes (copies_for);
+    with `chain`, each call's queries are the call before's output (timed)."""
     q, k, v = random_qkv(tokens)
     scale = D**-0.5
     rows = []
@@ -139,26 +154,29 @@ def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] 
         """Time `impl`: make() builds one copy of its state and returns (call, bytes read a call, extra fields)."""
         if impl not in impls and impl != "fp16_sdpa":
             return
+        qs[0] = q
         fn, read, extra = make()
         n = copies_for(read, cold_bytes)
         if n > 1:
             fn = cycling([fn] + [make()[0] for _ in range(n - 1)])
-        us, build = timed(fn, iters, repeats)
+        us, build = timed(fn, iters, repeats, qs if chain else None)
         rows.append({"impl": impl, "context": tokens, "us": round(us, 2), "build_us": round(build, 2),
                      "cache_bytes": read, "gb_per_s": round(read / us / 1e3, 1), "copies": n, **extra})
         print(f"{impl:16s} {tokens:7d} {us:9.1f} us (+{build:5.1f} us graph)  {read / us / 1e3:7.1f} GB/s"
               f"  ({n} {'copies' if n > 1 else 'copy'})", flush=True)
 
-    add("fp16_sdpa", lambda: sdpa_state(q, k, v, scale))
+    qs = [q]
+    add("fp16_sdpa", lambda: sdpa_state(qs, k, v, scale))
     for bits in (8, 4):
-        add(f"mlx_lm_affine{bits}", lambda bits=bits: mlx_lm_affine_state(q, k, v, scale, bits))
+        add(f"mlx_lm_affine{bits}", lambda bits=bits: mlx_lm_affine_state(qs, k, v, scale, bits))
     for bits in (8, 4):
-        add(f"fused_affine{bits}", lambda bits=bits: fused_affine_state(q, k, v, scale, bits))
+        add(f"fused_affine{bits}", lambda bits=bits: fused_affine_state(qs, k, v, scale, bits))
     for bits in (6, 4):
-        add(f"fused_kvarn{bits}", lambda bits=bits: fused_kvarn_state(q, k, v, scale, bits))
-    for impl, (bits, ring) in RING_IMPLS.items():
-        with config.configured(ring=ring):  # the plan (the compiled graph's key) carries it
-            add(impl, lambda bits=bits: fused_kvarn_state(q, k, v, scale, bits))
+        add(f"fused_kvarn{bits}", lambda bits=bits: fused_kvarn_state(qs, k, v, scale, bits))
+    states = {"kvarn": fused_kvarn_state, "affine": fused_affine_state}
+    for impl, (kind, bits, settings) in SETTING_IMPLS.items():
+        with config.configured(**settings):  # the plan (the compiled graph's key) carries them
+            add(impl, lambda kind=kind, bits=bits: states[kind](qs, k, v, scale, bits))
     base = next(r["us"] for r in rows if r["impl"] == "fp16_sdpa")
     for r in rows:
         r["ratio_to_fp16"] = round(r["us"] / base, 3)
@@ -208,13 +226,16 @@ def main() -> None:
     ap.add_argument("--cold-mb", type=int, default=0,
                     help="cycle through copies of each cache holding this many MB in all (more than the GPU's L2, "
                          "e.g. 200 on an H200: 50 MB), as a model's layers come from DRAM; 0: one copy")
+    ap.add_argument("--chain", action="store_true",
+                    help="each call's queries are the output of the call before: calls run one after another, as "
+                         "a model's layers do (else the calls of one eval are independent and may overlap)")
     ap.add_argument("--note", default="", help="stored in the JSON (e.g. which kernel version ran)")
     ap.add_argument("--out", default="benchmarks/results/decode_attention-h200.json")
     args = ap.parse_args()
     if active_backend() == "cpu":
         raise SystemExit("decode_attention.py measures the GPU kernels; MLX runs on the CPU here")
     rows = [r for t in args.contexts
-            for r in bench_context(t, args.iters, args.repeats, tuple(args.impls), args.cold_mb * 10**6)]
+            for r in bench_context(t, args.iters, args.repeats, tuple(args.impls), args.cold_mb * 10**6, args.chain)]
     seal = None if args.skip_seal else bench_seal(args.iters, args.repeats)
     kv6 = [r["us"] for r in rows if r["impl"] == "fused_kvarn6"]
     if seal and kv6:
@@ -227,8 +248,9 @@ def main() -> None:
               "mlx": mx.__version__, "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "query_tokens": 1},
               "method": f"median of {args.repeats} timings, each {args.iters} calls built, then run in one mx.eval, "
                         "after warm-up; us = the eval, build_us = graph building before it; each call reads the "
-                        "next of `copies` copies of its cache (--cold-mb)",
-              "cold_mb": args.cold_mb,
+                        "next of `copies` copies of its cache (--cold-mb); chained: each call's queries are the "
+                        "output of the call before (--chain)",
+              "cold_mb": args.cold_mb, "chained": args.chain,
               "kernel_settings": config.as_dict(),
               "note": args.note, "rows": rows, "seal": seal}
     with open(args.out, "w") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -39,3 +40,18 @@ def test_a_fused_affine_row_without_its_mlx_lm_row_has_no_speedup() -> None:
     assert "speedup_vs_mlx_lm" not in rows[1]
     both = decode_attention.bench_context(256, 1, 1, ("mlx_lm_affine8", "fused_affine8"))
     assert "speedup_vs_mlx_lm" in both[-1]
+
+
+def test_chained_calls_read_the_output_of_the_call_before() -> None:
+    """--chain: each call's queries are the previous call's output, so the GPU cannot run calls side by side."""
+    seen = []
+    box = [mx.zeros((2,))]
+
+    def fn():
+        seen.append(box[0])
+        return box[0] + 1
+    decode_attention.timed(fn, 3, 2, chain=box)
+    assert [int(x[0].item()) for x in seen] == list(range(len(seen)))  # 1 + 3 + 2 * 3 calls, each the last's + 1
+    assert len(seen) == 10
+    rows = decode_attention.bench_context(256, 2, 1, ("fp16_sdpa",), chain=True)
+    assert rows[0]["impl"] == "fp16_sdpa" and rows[0]["us"] > 0

@@ -3,6 +3,8 @@ and how launches fall back to mx.fast.cuda_kernel, loudly, when no binary can be
 stood in for here (a recording compiler, a recording launch); benchmarks/gpu_check.sh runs the real ones."""
 
 import warnings
+from functools import cache
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -16,6 +18,7 @@ INPUTS = (("records", mx.uint32), ("params", mx.int32), ("q", mx.float16))
 OUTPUTS = (("out", mx.float16), ("lse", mx.float32))
 TEMPLATE = (("B", 4), ("KIND_K", 1), ("S", 1), ("ROTATE", 0), ("ODT", 1))
 FAKE_CUBIN = precompiled.ELF_MAGIC + b"cubin"
+HANDOFF_PROBE = precompiled.handoff_works  # the real probe (the fixtures stand in for it)
 
 
 class FakeNvrtc:
@@ -42,6 +45,8 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(precompiled, "nvrtc", lambda: fake)
     monkeypatch.setattr(precompiled, "device_arch", lambda: "sm_90a")
     precompiled.forget()
+    # no MLX that reads binaries handed to it (mlx_folder below stands one in): launches run precompiled ones
+    monkeypatch.setattr(precompiled, "handoff_works", cache(lambda: False))
     yield fake
     precompiled.forget()
 
@@ -205,3 +210,139 @@ def test_the_kv_line_says_which_kernels_compile_in_each_process(fresh):
         precompiled.give_up("kvarn_decode", "RuntimeError: no NVRTC library found")
     line = str(gmlx_lab.make_cache(model, "kvarn", bits=4, quiet=True).policy)
     assert "compiled in each process, no kernel disk cache (kvarn_decode: RuntimeError: no NVRTC library found)" in line
+
+
+# -- the binary handed to MLX's module cache ------------------------------------------------------------------
+HASHER = r"""
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+int main() { std::stringstream in; in << std::cin.rdbuf(); std::printf("%zx", std::hash<std::string>{}(in.str())); }
+"""
+
+
+def test_std_hash_is_libstdcxxs(tmp_path):
+    """MLX names a custom kernel's module by std::hash of its text: the same numbers as a C++ program's."""
+    import subprocess
+
+    (tmp_path / "h.cpp").write_text(HASHER)
+    subprocess.run(["g++", "-O1", "-o", str(tmp_path / "h"), str(tmp_path / "h.cpp")], check=True)
+    header, body = (compact(t) for t in assemble("kvarn_decode", "cuda"))
+    for text in ("", "a", "abcdefg", "abcdefgh", "abcdefghi", header + body):
+        data = text.encode()
+        run = subprocess.run([str(tmp_path / "h")], input=data, capture_output=True, check=True)
+        assert f"{precompiled.std_hash(data):x}" == run.stdout.decode(), text[:20]
+
+
+def test_mlx_text_is_mlxs_build_kernel():
+    """The text mx.fast.cuda_kernel writes around a body (MLX 0.32's custom_kernel.cpp, build_kernel)."""
+    name = precompiled.mlx_kernel_name("gmlx_f", TEMPLATE)
+    assert name == "custom_kernel_gmlx_f_4_1_1_0_1"
+    text = precompiled.mlx_text(name, "#define H 1\n", "  out[0] = 1;\n", INPUTS, OUTPUTS, TEMPLATE)
+    assert text == ('\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n#define H 1\n'
+                    'namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n'
+                    '__global__ void custom_kernel_gmlx_f_4_1_1_0_1(\n    const uint32_t* records,\n'
+                    '    const int32_t* params,\n    const __half* q,\n    __half* out,\n    float* lse) {\n'
+                    '  constexpr int B = 4;\n  constexpr int KIND_K = 1;\n  constexpr int S = 1;\n'
+                    '  constexpr int ROTATE = 0;\n  constexpr int ODT = 1;\n\n  out[0] = 1;\n\n}\n\n'
+                    '} // namespace mlx::core::cu\n')
+
+
+def test_mlx_module_folder_follows_mlxs_rules(monkeypatch, tmp_path):
+    for var in ("MLX_PTX_CACHE_DIR", "TMPDIR", "TMP", "TEMP", "TEMPDIR"):
+        monkeypatch.delenv(var, raising=False)
+    assert precompiled.mlx_module_folder() == Path("/tmp/mlx") / mx.__version__ / "ptx"
+    monkeypatch.setenv("TEMP", str(tmp_path / "temp"))
+    monkeypatch.setenv("TMP", str(tmp_path / "tmp"))
+    assert precompiled.mlx_module_folder() == tmp_path / "tmp" / "mlx" / mx.__version__ / "ptx"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    assert precompiled.mlx_module_folder() == tmp_path / "ptx"
+
+
+class FakeMlx:
+    """Stands in for mx.fast.cuda_kernel as MLX 0.32 runs the probe: the module is the file named by the text's
+    hash in the PTX folder when there is one (its entry point listed in the .txt), else the text compiled."""
+
+    def __init__(self):
+        self.compiled: list[str] = []
+        self.hash = precompiled.std_hash  # MLX's own, whatever a test does to precompiled's
+
+    def cuda_kernel(self, name, input_names, output_names, source, header=""):
+        def run(inputs, template, output_shapes, output_dtypes, **_):
+            kernel_name = precompiled.mlx_kernel_name(name, tuple(template))
+            text = precompiled.mlx_text(kernel_name, header, source, tuple(zip(input_names, (a.dtype for a in inputs))),
+                                        tuple(zip(output_names, output_dtypes)), tuple(template))
+            path = precompiled.mlx_module_folder() / f"{kernel_name}_{self.hash(text.encode()):x}.ptx"
+            if path.exists():
+                entries = dict(line.split("\t") for line in path.with_suffix(".txt").read_text().splitlines())
+                assert f"mlx::core::cu::{kernel_name}" in entries
+                added = 2 if path.read_bytes().endswith(b"add2") else 0  # the probe's binary adds 2
+            else:
+                self.compiled.append(kernel_name)
+                added = 1  # the text adds 1
+            return [inputs[0] + added]
+        return run
+
+
+@pytest.fixture
+def mlx_folder(fresh, monkeypatch, tmp_path):
+    """MLX's PTX folder under tmp_path, a stand-in for MLX's cuda_kernel reading it, NVRTC's probe binary marked."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    fake = FakeMlx()
+    monkeypatch.setattr(precompiled.mx.fast, "cuda_kernel", fake.cuda_kernel)
+    monkeypatch.setattr(precompiled, "handoff_works", HANDOFF_PROBE)
+    compile_ = fresh.compile
+    fresh.compile = lambda text, arch, filename: compile_(text, arch, filename) + (b"add2" if "2u" in text else b"")
+    return fake
+
+
+def test_the_probe_finds_mlx_reading_the_folder(mlx_folder):
+    assert precompiled.handoff_works() and not mlx_folder.compiled and not precompiled.problems()
+
+
+def test_a_probe_that_mlx_compiles_says_the_launch_is_slower(mlx_folder, monkeypatch):
+    monkeypatch.setattr(precompiled, "std_hash", lambda data: 7)  # as if MLX named modules otherwise
+    with pytest.warns(RuntimeWarning, match="handoff_probe: MLX compiled the probe's text"):
+        assert not precompiled.handoff_works()
+    assert mlx_folder.compiled and "a slower launch, binary not handed to MLX" in precompiled.note()
+
+
+def test_launch_hands_the_binary_to_mlx_and_runs_cuda_kernel(mlx_folder, monkeypatch, tmp_path):
+    pre, jit = cuda_launch(monkeypatch)
+    assert not pre.calls and len(jit.calls) == 1 and not precompiled.problems()
+    function, cubin = precompiled.binary("kvarn_unpack", INPUTS, OUTPUTS, TEMPLATE)
+    kernel_name = precompiled.mlx_kernel_name(function, TEMPLATE)
+    header, body = (compact(t) for t in assemble("kvarn_unpack", "cuda"))
+    text = precompiled.mlx_text(kernel_name, header, body, INPUTS, OUTPUTS, TEMPLATE)
+    path = tmp_path / "ptx" / f"{kernel_name}_{precompiled.std_hash(text.encode()):x}.ptx"
+    assert path.read_bytes() == cubin
+    assert path.with_suffix(".txt").read_text() == f"mlx::core::cu::{kernel_name}\t{function}\n"
+
+
+def test_launch_without_the_handoff_runs_precompiled(mlx_folder, monkeypatch):
+    monkeypatch.setattr(precompiled, "handoff_works", cache(lambda: False))
+    pre, jit = cuda_launch(monkeypatch)
+    assert len(pre.calls) == 1 and not jit.calls
+
+
+def test_on_cuda_mlx_runs_what_is_handed_to_it(capfd):
+    """On CUDA (benchmarks/gpu_check.sh) the real probe, and MLX's own text for a kernel (verbose=True) is the
+    text whose hash names its module; elsewhere the stand-in tests above."""
+    from gmlx_lab.kernels import active_backend
+
+    if active_backend() != "cuda":
+        assert build.active_backend() != "cuda" and precompiled.mlx_kernel_name("f", ()) == "custom_kernel_f"
+        return
+    precompiled.forget()
+    assert HANDOFF_PROBE(), precompiled.problems()
+    header, body = (compact(t) for t in assemble("kvarn_unpack", "cuda"))
+    kernel = mx.fast.cuda_kernel(name="gmlx_text_check", input_names=[n for n, _ in INPUTS],
+                                 output_names=[n for n, _ in OUTPUTS], source=body, header=header)
+    capfd.readouterr()
+    kernel(inputs=[mx.zeros((4,), d) for _, d in INPUTS], template=list(TEMPLATE), grid=(1, 1, 1),
+           threadgroup=(1, 1, 1), output_shapes=[(1,), (1,)], output_dtypes=[d for _, d in OUTPUTS], verbose=True)
+    printed = capfd.readouterr().out
+    kernel_name = precompiled.mlx_kernel_name("gmlx_text_check", TEMPLATE)
+    expected = precompiled.mlx_text(kernel_name, header, body, INPUTS, OUTPUTS, TEMPLATE)
+    assert f"```\n{expected}\n```" in printed

@@ -1,9 +1,9 @@
 """Where the kernels run: the choice of backend, launching a kernel there, and compiled decode graphs.
 
 A kernel's text comes from `sources` (one body per kernel, a prelude per backend). On CUDA `launch` runs the
-cubin that `precompiled` keeps on disk (compiled by NVRTC once per machine) through
-mx.fast.precompiled_cuda_kernel, or, where that cannot be had (said once), hands the text to
-mx.fast.cuda_kernel, which compiles it in each process; on Metal to mx.fast.metal_kernel. On the CPU there is
+cubin that `precompiled` keeps on disk (compiled by NVRTC once per machine): handed to MLX's module cache and
+launched with mx.fast.cuda_kernel, or else through mx.fast.precompiled_cuda_kernel; where no cubin can be had
+(said once) mx.fast.cuda_kernel compiles the text in each process. On Metal mx.fast.metal_kernel. On the CPU there is
 no kernel (callers use the pure-MLX reference), except inside `threads.on_cpu_threads()`, where the tests run
 the CUDA or Metal source on CPU threads.
 """
@@ -100,8 +100,11 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
     if backend == "metal":
         inputs = metal_device_inputs(inputs)
     elif config.current().kernel_cache:
-        found = precompiled.binary(name, tuple((k, a.dtype) for k, a in inputs.items()),
-                                   tuple((k, d) for k, (_, d) in outputs.items()), tuple(template.items()))
+        signature = (tuple((k, a.dtype) for k, a in inputs.items()), tuple((k, d) for k, (_, d) in outputs.items()),
+                     tuple(template.items()))
+        # the disk's binary handed to MLX's module cache: cuda_kernel below loads it (a cheaper launch); else
+        # run it with precompiled_cuda_kernel; else (no binary) cuda_kernel compiles the text
+        found = None if precompiled.handed(name, *signature) else precompiled.binary(name, *signature)
         if found is not None:
             return mx.fast.precompiled_cuda_kernel(
                 name=found[0], compiled_source=found[1], inputs=list(inputs.values()),

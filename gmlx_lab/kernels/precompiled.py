@@ -11,6 +11,16 @@ where `key` hashes the whole text (template constants and argument types include
 NVRTC's versions. The folder: $GMLX_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/gmlx_lab/kernels, else
 ~/.cache/gmlx_lab/kernels. The setting `kernel_cache` (config.py, GMLX_KERNEL_CACHE=0) turns it off.
 
+How the binary reaches MLX: handed to MLX's own module cache (`handed`). MLX looks for every CUDA module it
+builds, custom kernels included, as a file `<module name>.ptx` (with a `.txt` of kernel names) in its PTX folder
+before compiling (mlx/backend/cuda/jit_module.cpp, v0.32); a custom kernel's module name is its function name and
+std::hash of the text MLX writes around the kernel's body. So the cubin is written there under that name and the
+kernel is launched with mx.fast.cuda_kernel, which then loads it instead of compiling. The other way,
+mx.fast.precompiled_cuda_kernel, hashes the whole cubin (129 KB for kvarn_decode, against MLX's 27 KB of text) at
+every launch: on the H200 about 30 µs more a layer of a decode step (docs/gpu-performance.md). A probe kernel
+checks once per process that MLX reads what is handed to it (`handoff_works`); where it does not, `launch` uses
+precompiled_cuda_kernel, and says so.
+
 Whatever fails (no NVRTC library, a compile error, a folder that cannot be written) makes `build.launch` use
 mx.fast.cuda_kernel as before, and is said once per kernel: a RuntimeWarning, and `problems()`, which the
 policy's [kv] line, the caches' `attention_route()` and `gmlx-lab doctor` show.
@@ -69,6 +79,12 @@ def kernel_text(function: str, name: str, inputs: Signature, outputs: Signature,
     for arg, _ in inputs:
         if any(arg + suffix in source for suffix in ("_shape", "_strides", "_ndim")):
             raise ValueError(f"kernel {name}: its body reads {arg}'s shape; a precompiled launch passes no shapes")
+    return kernel_text_of(function, header, source, inputs, outputs, template)
+
+
+def kernel_text_of(function: str, header: str, source: str, inputs: Signature, outputs: Signature,
+                   template: dict[str, int]) -> str:
+    """kernel_text for a given header and body."""
     args = [f"    const {CUDA_TYPES[dtype]}* {arg}" for arg, dtype in inputs]
     args += [f"    {CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
     constants = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in template.items())
@@ -185,17 +201,30 @@ def device_arch() -> str:
 
 _problems: dict[str, str] = {}  # kernel -> why it went back to mx.fast.cuda_kernel (said once)
 _unstored: dict[str, str] = {}  # kernel -> why its NVRTC build could not be kept on disk (said once)
+_not_handed: dict[str, str] = {}  # kernel (or the probe) -> why its binary is not run from MLX's module cache
 
 
 def problems() -> dict[str, str]:
-    """Kernels compiled again in each process (their build not kept on disk), and why, in this process so far."""
-    return {**_unstored, **_problems}
+    """Kernels compiled again in each process (their build not kept on disk), or launched the slower way
+    (precompiled_cuda_kernel), and why, in this process so far."""
+    return {**_not_handed, **_unstored, **_problems}
 
 
 def note() -> str:
     """Those kernels in a line for the [kv] line and attention_route(), '' when there were none."""
-    why = "; ".join(f"{k}: {reason}" for k, reason in problems().items())
-    return f"compiled in each process, no kernel disk cache ({why})" if why else ""
+    compiled = "; ".join(f"{k}: {reason}" for k, reason in {**_unstored, **_problems}.items())
+    slower = "; ".join(f"{k}: {reason}" for k, reason in _not_handed.items())
+    parts = [f"compiled in each process, no kernel disk cache ({compiled})"] if compiled else []
+    parts += [f"a slower launch, binary not handed to MLX ({slower})"] if slower else []
+    return "; ".join(parts)
+
+
+def not_handed(name: str, why: str) -> None:
+    """Record that kernel `name` (or the probe, for all) launches with precompiled_cuda_kernel, and say so once."""
+    if name not in _not_handed:
+        _not_handed[name] = why
+        warnings.warn(f"gmlx_lab kernel {name}: {why}; launched with mx.fast.precompiled_cuda_kernel instead "
+                      "(same results, about 30 µs more a decode layer on the H200)", RuntimeWarning, stacklevel=3)
 
 
 def give_up(name: str, why: str, fallback: bool = True) -> None:
@@ -216,8 +245,11 @@ def give_up(name: str, why: str, fallback: bool = True) -> None:
 def forget() -> None:
     """Drop the binaries held in memory and the fallbacks seen (tests; after editing a kernel's source)."""
     binary.cache_clear()
+    handed.cache_clear()
+    handoff_works.cache_clear()
     _problems.clear()
     _unstored.clear()
+    _not_handed.clear()
 
 
 def store(path: Path, cubin: bytes) -> None:
@@ -253,3 +285,121 @@ def binary(name: str, inputs: Signature, outputs: Signature, template: tuple[tup
     except OSError as exc:  # this process still runs the cubin; the next one compiles again
         give_up(name, f"cannot write {path.parent} ({exc.strerror or exc})", fallback=False)
     return function, cubin
+
+
+# -- handing a binary to MLX's own module cache ----------------------------------------------------------------
+# What MLX 0.32 writes around a custom kernel (custom_kernel.cpp, build_kernel): its device utilities first, the
+# kernel in its namespace, and these type names (utils.cpp, dtype_to_cuda_type).
+MLX_DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+MLX_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint32: "uint32_t",
+             mx.int32: "int32_t", mx.uint8: "uint8_t", mx.int8: "int8_t", mx.uint16: "uint16_t", mx.int16: "int16_t",
+             mx.uint64: "uint64_t", mx.int64: "int64_t", mx.bool_: "bool"}
+WORD = 0xFFFFFFFFFFFFFFFF
+HASH_MUL = (0xC6A4A793 << 32) + 0x5BD1E995  # libstdc++'s _Hash_bytes (hash_bytes.cc, 64-bit size_t)
+HASH_SEED = 0xC70F6907  # std::hash<std::string>'s seed
+
+
+def std_hash(data: bytes) -> int:
+    """std::hash<std::string> of libstdc++ (its `_Hash_bytes`), which MLX uses to name a custom kernel's module."""
+    def shift_mix(v: int) -> int:
+        return v ^ (v >> 47)
+    n = len(data)
+    whole = n & ~7
+    h = HASH_SEED ^ ((n * HASH_MUL) & WORD)
+    for i in range(0, whole, 8):
+        h = ((h ^ ((shift_mix((int.from_bytes(data[i:i + 8], "little") * HASH_MUL) & WORD) * HASH_MUL) & WORD))
+             * HASH_MUL) & WORD
+    if n & 7:
+        h = ((h ^ int.from_bytes(data[whole:], "little")) * HASH_MUL) & WORD
+    return shift_mix((shift_mix(h) * HASH_MUL) & WORD)
+
+
+def mlx_kernel_name(function: str, template: tuple[tuple[str, int], ...]) -> str:
+    """The name MLX gives the kernel that mx.fast.cuda_kernel(name=function) runs with these template constants."""
+    return "custom_kernel_" + function + "".join(f"_{int(v)}" for _, v in template)
+
+
+def mlx_text(kernel_name: str, header: str, source: str, inputs: Signature, outputs: Signature,
+             template: tuple[tuple[str, int], ...]) -> str:
+    """The text mx.fast.cuda_kernel builds (and hashes) for a kernel whose body reads no shapes."""
+    args = [f"    const {MLX_TYPES[dtype]}* {arg},\n" for arg, dtype in inputs]
+    args += [f"    {MLX_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
+    constants = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in template) + ("\n" if template else "")
+    return (MLX_DEFAULT_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void {kernel_name}(\n" + "".join(args[:len(inputs)]) + ",\n".join(args[len(inputs):])
+            + ") {\n" + constants + source + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def mlx_module_folder() -> Path:
+    """MLX's PTX folder: $MLX_PTX_CACHE_DIR, else C++'s temp directory (TMPDIR, TMP, TEMP, TEMPDIR, /tmp) with
+    mlx/<version>/ptx (jit_module.cpp, ptx_cache_dir)."""
+    if os.environ.get("MLX_PTX_CACHE_DIR"):
+        return Path(os.environ["MLX_PTX_CACHE_DIR"])
+    temp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)), "/tmp")
+    return Path(temp) / "mlx" / mx.__version__ / "ptx"
+
+
+def hand_over(kernel_name: str, text: str, function: str, cubin: bytes) -> Path:
+    """Write `cubin` (entry point `function`) where MLX looks for the module of `text`; returns the file."""
+    path = mlx_module_folder() / f"{kernel_name}_{std_hash(text.encode()):x}.ptx"
+    if not path.exists() or path.read_bytes() != cubin:
+        # the kernel names first: MLX reads the .txt after finding the .ptx
+        store(path.with_suffix(".txt"), f"mlx::core::cu::{kernel_name}\t{function}\n".encode())
+        store(path, cubin)
+    return path
+
+
+PROBE_INPUTS: Signature = (("x", mx.uint32),)
+PROBE_OUTPUTS: Signature = (("out", mx.uint32),)
+PROBE_BODY = "  out[0] = x[0] + {}u;\n"
+
+
+@cache
+def handoff_works() -> bool:
+    """Whether MLX runs a binary handed to its module cache: a probe kernel whose text adds 1 is handed a binary
+    that adds 2 (compiled once per machine). Said once when it does not; `launch` then uses precompiled_cuda_kernel."""
+    function = f"gmlx_handoff_probe_{hashlib.sha256(mx.__version__.encode()).hexdigest()[:8]}"
+    template = (("PROBE", 1),)
+    try:
+        compiler, arch = nvrtc(), device_arch()
+        text = kernel_text_of(function, "", PROBE_BODY.format(2), PROBE_INPUTS, PROBE_OUTPUTS, dict(template))
+        path = cubin_path(folder(), mx.__version__, arch, "handoff_probe",
+                          cache_key(text, arch, mx.__version__, compiler.version))
+        cubin = path.read_bytes() if path.exists() else b""
+        if cubin[:4] != ELF_MAGIC:
+            cubin = compiler.compile(text, arch, f"{function}.cu")
+            store(path, cubin)
+        mlx_name = mlx_kernel_name(function, template)
+        hand_over(mlx_name, mlx_text(mlx_name, "", PROBE_BODY.format(1), PROBE_INPUTS, PROBE_OUTPUTS, template),
+                  function, cubin)
+        kernel = mx.fast.cuda_kernel(name=function, input_names=["x"], output_names=["out"],
+                                     source=PROBE_BODY.format(1))
+        out = kernel(inputs=[mx.array([40], mx.uint32)], template=list(template), grid=(1, 1, 1),
+                     threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.uint32])[0]
+        result = int(out.item())
+    except (OSError, RuntimeError, ValueError, KeyError) as exc:
+        not_handed("handoff_probe", f"the probe failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
+        return False
+    if result != 42:
+        not_handed("handoff_probe", f"MLX compiled the probe's text instead of loading the binary handed to it in "
+                   f"{mlx_module_folder()} (got {result}, not 42)")
+        return False
+    return True
+
+
+@cache
+def handed(name: str, inputs: Signature, outputs: Signature, template: tuple[tuple[str, int], ...]) -> bool:
+    """Whether kernel `name` with these types and constants now runs from MLX's module cache when launched with
+    mx.fast.cuda_kernel (its binary handed over; once per process and variant)."""
+    found = binary(name, inputs, outputs, template)
+    if found is None or not handoff_works():
+        return False
+    function, cubin = found
+    header, source = (compact(text) for text in assemble(name, "cuda"))
+    mlx_name = mlx_kernel_name(function, template)
+    try:
+        hand_over(mlx_name, mlx_text(mlx_name, header, source, inputs, outputs, template), function, cubin)
+    except OSError as exc:
+        not_handed(name, f"cannot write {mlx_module_folder()} ({exc.strerror or exc})")
+        return False
+    return True
