@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from model_decode import MLX_LM_SCHEMES, device_name, git_commit
 
 from gmlx_lab import mlx_lm_hooks
-from gmlx_lab.kernels import active_backend
+from gmlx_lab.kernels import active_backend, precompiled
 from gmlx_lab.registry import get_scheme
 from gmlx_lab.specs import parse_scheme_spec
 
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
               " µs/layer", file=sys.stderr)
     result = {"device": device_name(), "backend": active_backend(), "mlx": mx.__version__, "commit": git_commit(),
               "command": " ".join(["cache_step.py", *(argv if argv is not None else sys.argv[1:])]),
-              "method": __doc__.split("\n\n")[1].replace("\n", " "), "rows": rows}
+              "method": __doc__.split("\n\n")[1].replace("\n", " "),
+              "kernel_launch_problems": precompiled.problems(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

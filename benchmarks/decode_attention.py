@@ -23,7 +23,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from gmlx_lab.cache.affine import AffineCache
 from gmlx_lab.cache.kvarn import KVarNCache
-from gmlx_lab.kernels import active_backend, config, seal_records
+from gmlx_lab.kernels import active_backend, config, precompiled, seal_records
 from gmlx_lab.records import encode_tokens
 
 HQ, HKV, D = 32, 8, 128
@@ -251,7 +251,7 @@ def main() -> None:
                         "next of `copies` copies of its cache (--cold-mb); chained: each call's queries are the "
                         "output of the call before (--chain)",
               "cold_mb": args.cold_mb, "chained": args.chain,
-              "kernel_settings": config.as_dict(),
+              "kernel_settings": config.as_dict(), "kernel_launch_problems": precompiled.problems(),
               "note": args.note, "rows": rows, "seal": seal}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

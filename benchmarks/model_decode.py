@@ -67,7 +67,7 @@ from gmlx_lab import make_cache
 from gmlx_lab.cache import AffineCache, GmlxCache, KVarNCache
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.fidelity import parse_scheme_spec, scheme_label
-from gmlx_lab.kernels import active_backend, config
+from gmlx_lab.kernels import active_backend, config, precompiled
 from gmlx_lab.policy import model_name
 
 MLX_LM_SCHEMES = {"mlx_lm_fp16": None, "mlx_lm_affine8": 8, "mlx_lm_affine4": 4}
@@ -440,7 +440,7 @@ def write_result(args: argparse.Namespace, argv: list[str] | None, model: nn.Mod
         "model": model_name(model), "layers": len(model.layers), "weight_bits": args.weights,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine(), "seconds": round(seconds, 1),
-        "kernel_settings": config.as_dict(),
+        "kernel_settings": config.as_dict(), "kernel_launch_problems": precompiled.problems(),
         "tokens": "eval_text.txt, model tokenizer" if source == "text" else f"random ids, seed {args.seed}",
         "method": __doc__.split("\n\n", 2)[2].split("\nSchemes:")[0].strip(),
         "rows": rows,
