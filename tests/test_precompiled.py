@@ -11,7 +11,7 @@ import pytest
 from conftest import tiny_llama
 
 import gmlx_lab
-from gmlx_lab.kernels import build, config, precompiled
+from gmlx_lab.kernels import build, config, precompiled, selfcheck
 from gmlx_lab.kernels.sources import assemble, compact
 
 INPUTS = (("records", mx.uint32), ("params", mx.int32), ("q", mx.float16))
@@ -44,11 +44,13 @@ def fresh(monkeypatch, tmp_path):
     fake = FakeNvrtc()
     monkeypatch.setattr(precompiled, "nvrtc", lambda: fake)
     monkeypatch.setattr(precompiled, "device_arch", lambda: "sm_90a")
-    precompiled.forget()
+    build.forget_kernels()
     # no MLX that reads binaries handed to it (mlx_folder below stands one in): launches run precompiled ones
     monkeypatch.setattr(precompiled, "handoff_works", cache(lambda: False))
     yield fake
-    precompiled.forget()
+    # on a GPU the stand-in binaries must not outlive the test: in compiled decode graphs, in self-check results
+    build.forget_kernels()
+    selfcheck.reset()
 
 
 def test_kernel_text_is_the_kernels_header_and_body_in_mlxs_signature():
@@ -165,7 +167,7 @@ def cuda_launch(monkeypatch, fresh=None):
     monkeypatch.setattr(build, "active_backend", lambda: "cuda")
     pre, jit = Recorder(), Recorder()
     monkeypatch.setattr(build.mx.fast, "precompiled_cuda_kernel", pre)
-    monkeypatch.setattr(build, "_kernel", lambda *a: (lambda **kw: jit(**kw)))
+    monkeypatch.setattr(build, "_kernel", cache(lambda *a: (lambda **kw: jit(**kw))))
     inputs = {"records": mx.zeros((4,), mx.uint32), "params": mx.zeros((2,), mx.int32), "q": mx.zeros((3,), mx.float16)}
     outputs = {"out": ((2, 3), mx.float16), "lse": ((2,), mx.float32)}
     out = build.launch("kvarn_unpack", inputs, outputs, grid=(128, 2, 1), threadgroup=(128, 1, 1),
