@@ -232,8 +232,10 @@ def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
     with the setting `merge_in_kernel` (config.py) and the CUDA source, whose fences make one
     threadgroup's writes visible to the others (Metal's do not). On by default: in the whole model on the H200
-    (benchmarks/results/model_decode-h200.json) kvarn6 and kvarn4 decoded faster merging in the kernel than with
-    split_merge at 8K and 32K in all four comparisons; model_decode.py's probes `one-launch` / `two-launch`."""
+    (benchmarks/results/model_decode-h200.json, interleaved rounds at 8K, 32K and 128K) kvarn and affine decoded
+    as fast or faster by the median merging in the kernel than with split_merge in every comparison, although the
+    kernel alone, called one after another, is faster with split_merge at 32K (docs/gpu-performance.md, round 5):
+    the step is bound by the host. model_decode.py's probes `one-launch` / `two-launch`."""
     return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 
