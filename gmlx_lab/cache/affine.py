@@ -57,15 +57,6 @@ class AffineCache(BlockCache):
     def decode(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
         return self.dequantize([p[:, :, None] for p in parts], mx.float32)
 
-    def encode_stored(self, stored: mx.array, kind: str) -> tuple[mx.array, ...]:
-        """Stored fp16 tokens (B, H, m, D), rotated already if this class rotates: one mx.quantize gives the m
-        one-token blocks' codes, scales and biases (B, H, m, ...), what `encode` of each token gives (the same
-        values: float32 and back is exact for fp16) in one graph node instead of about nine a token."""
-        as_encode = type(self).encode is AffineCache.encode  # a subclass's own encode is asked, block by block
-        if not as_encode or (not self.rotate_on_arrival and type(self).rotate is not BlockCache.rotate):
-            return super().encode_stored(stored, kind)
-        return tuple(mx.quantize(stored, group_size=self.group_size, bits=self.bits))
-
     def dequantize(self, parts: list[mx.array], dtype: mx.Dtype) -> mx.array:
         """Codes, scales, biases back to values of `dtype` (the scales cast to it first, as mlx-lm does)."""
         codes, scales, biases = parts

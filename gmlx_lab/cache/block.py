@@ -132,8 +132,7 @@ class BlockCache(GmlxCache):
         self.options = dict(options)
         self.sink: KV | None = None  # K, V (B, H, <= sink_tokens, D) fp16
         self.body_buffers: KV | None = None  # K, V tuples of GrowingBuffer, one per part `encode` returns
-        self._held_blocks = 0  # blocks of body_buffers held (`body` views them)
-        self._body: KV | None = None  # those views, made when `body` is first read after a change
+        self.body: KV | None = None  # K, V tuples of arrays (B, H, blocks, ...): the held blocks of body_buffers
         self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
         self.sink_count = 0
         self.recent_count = 0
@@ -142,18 +141,9 @@ class BlockCache(GmlxCache):
 
     # -- geometry -------------------------------------------------------------------------------------------
     @property
-    def body(self) -> KV | None:
-        """K, V tuples of arrays (B, H, blocks, ...): the held blocks of body_buffers, or None. Views made when first
-        read after the blocks change: a decode step on the fused path reads the buffers, not these (one-token
-        blocks would otherwise make six views a token)."""
-        if self._body is None and self._held_blocks:
-            self._body = KV(*(tuple(buf.view(self._held_blocks) for buf in bufs) for bufs in self.body_buffers))
-        return self._body
-
-    @property
     def n_blocks(self) -> int:
         """Encoded blocks per head."""
-        return self._held_blocks
+        return 0 if self.body is None else self.body.k[0].shape[2]
 
     def region_tokens(self) -> dict[str, int]:
         """How many tokens each region holds now."""
@@ -294,7 +284,7 @@ class BlockCache(GmlxCache):
     def _append_blocks(self, tokens: KV) -> None:
         """Encode tokens (B, H, whole blocks, D), fp16 as stored, onto the end of the body."""
         stored = KV(*(x if x.dtype == STORE_DTYPE else x.astype(STORE_DTYPE) for x in tokens))
-        new = KV(*(self.encode_stored(x, kind) for x, kind in zip(stored, "kv")))
+        new = KV(*(self._encode_blocks(self._to_encode(x), kind) for x, kind in zip(stored, "kv")))
         if self.keep_newest_block:
             self.rollback = KV(*(mx.contiguous(x[:, :, x.shape[2] - self.block_tokens:]) for x in stored))
         if self.body_buffers is None:
@@ -306,12 +296,6 @@ class BlockCache(GmlxCache):
                 buf.write(start, part)
         self._hold_blocks(start + new.k[0].shape[2])
 
-    def encode_stored(self, stored: mx.array, kind: str) -> tuple[mx.array, ...]:
-        """Stored fp16 tokens (B, H, m * block_tokens, D) as m blocks, parts (B, H, m, ...): `encode` of each block
-        of float32 tokens, rotated unless they were on arrival. A class whose encoding can take the stored tokens
-        as they are may do it in fewer graph nodes (AffineCache: one mx.quantize a token)."""
-        return self._encode_blocks(self._to_encode(stored), kind)
-
     def _to_encode(self, stored: mx.array) -> mx.array:
         """What `encode` sees of stored fp16 tokens: float32, rotated unless they were on arrival."""
         x = stored.astype(mx.float32)
@@ -319,9 +303,10 @@ class BlockCache(GmlxCache):
 
     def _hold_blocks(self, n: int) -> None:
         """Make `body` the first n blocks of the body's buffers (none: no body, no buffers)."""
-        self._held_blocks, self._body = n, None
         if n == 0:
-            self.body_buffers = None
+            self.body = self.body_buffers = None
+        else:
+            self.body = KV(*(tuple(buf.view(n) for buf in bufs) for bufs in self.body_buffers))
 
     def _encode_blocks(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
         """Tokens (B, H, m * block, D) as m blocks: `encode` sees (B, H * m, block, D); parts return (B, H, m, ...)."""

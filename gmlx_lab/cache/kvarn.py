@@ -78,7 +78,6 @@ class KVarNCache(BlockCache):
         super().__init__(layer, k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens, norm_iters=norm_iters,
                          head_dim_ext=head_dim_ext)
         self._prefix: tuple[Any, Any, KV] | None = None  # (body, sink, their decoded graph) for GPU decode steps
-        self._records: tuple[Any, KV] | None = None  # (body, its Records): read twice a decode step, made once a seal
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
 
     # -- what a block scheme writes: records -----------------------------------------------------
@@ -115,12 +114,9 @@ class KVarNCache(BlockCache):
     @property
     def records(self) -> KV | None:
         """The body as K and V `Records` with fields (B, H, R, S, ...), or None."""
-        body = self.body
-        if body is None:
+        if self.body is None:
             return None
-        if self._records is None or self._records[0] is not body:
-            self._records = (body, KV(*(self._as_records(parts, kind) for parts, kind in zip(body, "kv"))))
-        return self._records[1]
+        return KV(*(self._as_records(parts, kind) for parts, kind in zip(self.body, "kv")))
 
     @property
     def n_records(self) -> int:

@@ -160,11 +160,10 @@ CUDA_DEFINES["kvarn_decode"] = {"KVARN_THREADS": 32 * KVARN_WARPS, "KVARN_MIN_BL
 TARGET_WARPS = 132 * KVARN_WARPS * KVARN_MIN_BLOCKS
 
 
-def kvarn_warps(d: int, backend: str | None = None) -> int:
+def kvarn_warps(d: int) -> int:
     """Warps per kvarn_decode threadgroup: KVARN_WARPS, but 2 past head_dim 256 on Metal, where a threadgroup
-    has 32 KB of memory: the queries (8 x D floats) and four warps' softmax weights (16.5 KB) do not fit.
-    `backend`: kernel_backend(), where the caller has it."""
-    return 2 if d > 256 and (backend or kernel_backend()) == "metal" else KVARN_WARPS
+    has 32 KB of memory: the queries (8 x D floats) and four warps' softmax weights (16.5 KB) do not fit."""
+    return 2 if d > 256 and kernel_backend() == "metal" else KVARN_WARPS
 
 
 # Threadgroup memory a threadgroup may declare statically: 48 KB on CUDA, 32 KB on Apple GPUs.
@@ -229,7 +228,7 @@ class KvarnPlan(NamedTuple):
     stages: int  # slots a warp of the ring (ring_stages); 1 without it
 
 
-def kernel_merges(backend: str | None = None) -> bool:
+def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
     with the setting `merge_in_kernel` (config.py) and the CUDA source, whose fences make one
     threadgroup's writes visible to the others (Metal's do not). On by default: in the whole model on the H200
@@ -237,7 +236,7 @@ def kernel_merges(backend: str | None = None) -> bool:
     as fast or faster by the median merging in the kernel than with split_merge in every comparison, although the
     kernel alone, called one after another, is faster with split_merge at 32K (docs/gpu-performance.md, round 5):
     the step is bound by the host. model_decode.py's probes `one-launch` / `two-launch`."""
-    return config.current().merge_in_kernel and (backend or kernel_backend()) == "cuda"
+    return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 
 class SplitCounter:
@@ -266,10 +265,8 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     kbody, vbody = parts.body
     r, s = kbody.codes.shape[2:4]
     fp16_units = kvarn_units(r, parts.recent_tokens)[1]
-    backend = kernel_backend()  # once: a decode step plans every layer
     return _kvarn_plan(nq, bh, r, s, parts.sink.k.shape[2], fp16_units, length, causal, kbody.bits, vbody.bits,
-                       per_warp, kvarn_warps(d, backend), kernel_merges(backend), ring_for(r, config.current().ring),
-                       backend)
+                       per_warp, kvarn_warps(d), kernel_merges(), ring_for(r, config.current().ring), kernel_backend())
 
 
 @lru_cache(maxsize=256)
