@@ -29,8 +29,9 @@ cost is measured side by side. `--probes kvarn6/lean-fetch,kvarn6/all,...` (GPU 
 probe removes one piece of a fused decode step's host work (PROBES), so its row bounds what removing that piece
 for real would gain; a probe's attention output is wrong, only its timing is read (except `uncompiled`, which
 measures the decode attention built in Python every step, as before it was compiled, `one-launch`, the split
-kernels merging their own splits on CUDA, and `ring-on` / `ring-off`, kvarn_decode's ring whatever the setting
-`ring` says: the kernel settings of kernels/config.py, whose outputs are right).
+kernels merging their own splits on CUDA, `ring-on` / `ring-off`, kvarn_decode's ring whatever the setting
+`ring` says, and `fp16-one` / `fp16-as-records`, its fp16 units a warp: the kernel settings of kernels/config.py,
+whose outputs are right).
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -152,13 +153,15 @@ def setting(**settings: Any) -> Any:
     """Probe: decode steps under these kernel settings (kernels/config.py; the plans and compiled graphs carry
     them): `uncompiled`, the decode attention built in Python every step instead of replayed from one compiled
     graph per launch geometry; `one-launch`, the split kernels merging their own splits on CUDA; `ring-on` /
-    `ring-off`, kvarn_decode's cp.async ring. Their outputs are right."""
+    `ring-off`, kvarn_decode's cp.async ring; `fp16-one` / `fp16-as-records`, kvarn_decode's fp16 units a warp.
+    Their outputs are right."""
     return lambda: config.configured(**settings)
 
 
 PROBES = {"lean-fetch": lean_fetch, "uncompiled": setting(compile_graphs=False),
           "one-launch": setting(merge_in_kernel=True), "two-launch": setting(merge_in_kernel=False),
-          "ring-on": setting(ring="on"), "ring-off": setting(ring="off")}
+          "ring-on": setting(ring="on"), "ring-off": setting(ring="off"),
+          "fp16-one": setting(fp16_per_warp="one"), "fp16-as-records": setting(fp16_per_warp="as-records")}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:

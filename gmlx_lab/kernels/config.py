@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 RING_CHOICES = ("auto", "on", "off")
+FP16_PER_WARP_CHOICES = ("one", "as-records")
+CHOICES = {"ring": RING_CHOICES, "fp16_per_warp": FP16_PER_WARP_CHOICES}  # settings that take one of some words
 
 
 @dataclass(frozen=True)
@@ -25,10 +27,13 @@ class KernelConfig:
     ring: str = "auto"  # kvarn_decode stages code words through its cp.async ring: "on", "off", "auto" (long contexts)
     merge_in_kernel: bool = True  # CUDA: the split kernels merge their own splits (one launch a layer)
     kernel_cache: bool = True  # CUDA: kernels compiled once per machine, kept on disk (precompiled.py)
+    # kvarn_decode's fp16 units (sink, recent tiles) a warp: "one", or "as-records" (as many as a warp's records)
+    fp16_per_warp: str = "one"
 
 
 ENVIRONMENT = {"compile_graphs": "GMLX_COMPILE_DECODE", "ring": "GMLX_KVARN_RING",
-               "merge_in_kernel": "GMLX_MERGE_IN_KERNEL", "kernel_cache": "GMLX_KERNEL_CACHE"}
+               "merge_in_kernel": "GMLX_MERGE_IN_KERNEL", "kernel_cache": "GMLX_KERNEL_CACHE",
+               "fp16_per_warp": "GMLX_KVARN_FP16_PER_WARP"}
 # variables of earlier versions: refused with what replaced them, rather than ignored
 RETIRED = {"GMLX_KVARN_PREFETCH": "GMLX_KVARN_RING=auto|on|off (prefetch levels 1 and 2 were removed)",
            "GMLX_KVARN_MIN_BLOCKS": "nothing (kvarn_decode's launch bounds are fixed: 3 threadgroups a multiprocessor)"}
@@ -38,9 +43,9 @@ FLAGS = {"1": True, "0": False}
 def parse(field: str, value: Any, source: str | None = None) -> Any:
     """A setting's value checked (and read from text for the environment); `source` names where it came from."""
     where = source or field
-    if field == "ring":
-        if value not in RING_CHOICES:
-            raise ValueError(f"{where}={value!r}; accepted: {', '.join(RING_CHOICES)}")
+    if field in CHOICES:
+        if value not in CHOICES[field]:
+            raise ValueError(f"{where}={value!r}; accepted: {', '.join(CHOICES[field])}")
         return value
     if field not in ENVIRONMENT:
         raise ValueError(f"no kernel setting {field!r}; settings: {', '.join(ENVIRONMENT)}")

@@ -198,14 +198,29 @@ def kvarn_units(records: int, recent: int) -> tuple[int, int]:
     return records, 1 + -(-recent // 128)
 
 
-def kvarn_splits(records: int, recent: int, groups: int, warps: int, per_warp: int | None = None
-                 ) -> tuple[int, int, int]:
-    """(units per warp, record splits, fp16 splits): a split (threadgroup) holds units of one kind only, so
-    its partial output is in one space (records rotated, fp16 tokens not); about TARGET_WARPS warps run."""
+# fp16 units a warp walks (setting `fp16_per_warp` "one", the default): an fp16 unit (128 tokens of fp16 K and V,
+# 64 KB at head_dim 128) reads 2.7x a 6-bit record's bytes and 4x a 4-bit one's, through plainer loads; at the
+# records' count a warp (6 at 128K; "as-records", round 5's split) the fp16 split's warps could be a call's last to
+# finish, which a decode step, whose layers wait for each other, pays (docs/gpu-performance.md, round 6).
+FP16_UNITS_PER_WARP = 1
+
+
+def kvarn_splits(records: int, recent: int, groups: int, warps: int, per_warp: int | None = None,
+                 per_fp16: int | None = None, fp16_as_records: bool = False) -> tuple[int, int, int, int]:
+    """(records per warp, fp16 units per warp, record splits, fp16 splits): a split (threadgroup) holds units of
+    one kind only, so its partial output is in one space (records rotated, fp16 tokens not). About TARGET_WARPS
+    warps run: fp16 units take FP16_UNITS_PER_WARP a warp and the records share the rest, or (`fp16_as_records`)
+    every warp takes the same count of units. Tests and sweeps set `per_warp` (records, and fp16 units unless
+    `per_fp16` is given too)."""
     r, f = kvarn_units(records, recent)
-    per = per_warp or -(-(r + f) // -(-TARGET_WARPS // groups))
-    run = per * warps
-    return per, -(-r // run), -(-f // run)
+    wave = -(-TARGET_WARPS // groups)  # warps of one (kv head, query chunk)
+    if fp16_as_records:
+        per = per_warp or -(-(r + f) // wave)
+        per16 = per_fp16 or per
+    else:
+        per16 = per_fp16 or per_warp or FP16_UNITS_PER_WARP
+        per = per_warp or -(-r // max(1, wave - -(-f // (per16 * warps)) * warps))
+    return per, per16, -(-r // (per * warps)), -(-f // (per16 * warps))
 
 
 class KvarnPlan(NamedTuple):
@@ -214,7 +229,8 @@ class KvarnPlan(NamedTuple):
     records: int  # R: sealed records per (head, slice)
     slices: int  # S: 128-channel slices of the head dim
     sink: int  # fp16 sink tokens
-    per: int  # units per warp
+    per: int  # records per warp
+    per16: int  # fp16 units per warp
     nsr: int  # record splits (rotated), then
     nsf: int  # fp16 splits
     warps: int
@@ -260,27 +276,30 @@ class SplitCounter:
 
 
 def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal: bool,
-               per_warp: int | None = None) -> KvarnPlan:
+               per_warp: int | None = None, per_fp16: int | None = None) -> KvarnPlan:
     """How a kvarn_decode call over `parts` splits its work, for nq grouped query vectors of bh kv heads."""
     kbody, vbody = parts.body
     r, s = kbody.codes.shape[2:4]
     fp16_units = kvarn_units(r, parts.recent_tokens)[1]
     return _kvarn_plan(nq, bh, r, s, parts.sink.k.shape[2], fp16_units, length, causal, kbody.bits, vbody.bits,
-                       per_warp, kvarn_warps(d), kernel_merges(), ring_for(r, config.current().ring), kernel_backend())
+                       per_warp, per_fp16, config.current().fp16_per_warp == "as-records", kvarn_warps(d),
+                       kernel_merges(), ring_for(r, config.current().ring), kernel_backend())
 
 
 @lru_cache(maxsize=256)
 def _kvarn_plan(nq: int, bh: int, r: int, s: int, sink: int, fp16_units: int, length: int, causal: bool,
-                kbits: int, vbits: int, per_warp: int | None, warps: int, merge: bool, ring: bool, backend: str
+                kbits: int, vbits: int, per_warp: int | None, per_fp16: int | None, fp16_as_records: bool,
+                warps: int, merge: bool, ring: bool, backend: str
                 ) -> KvarnPlan:
     """kvarn_plan's arithmetic, once per geometry: the layers of a decode step repeat it, and it moves every 128
     tokens. The ring is off where it does not fit (ring_stages 0); the plan says whether it runs."""
     nchunk = -(-nq // KVARN_QN)
-    per, nsr, nsf = kvarn_splits(r, (fp16_units - 1) * 128, bh * nchunk, warps, per_warp)
+    per, per16, nsr, nsf = kvarn_splits(r, (fp16_units - 1) * 128, bh * nchunk, warps, per_warp, per_fp16,
+                                        fp16_as_records)
     stages = ring_stages(s * 128, kbits, vbits, warps, backend) if ring else 1
     if stages == 0:
         ring, stages = False, 1
-    return KvarnPlan(r, s, sink, per, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge, ring, stages)
+    return KvarnPlan(r, s, sink, per, per16, nsr, nsf, warps, nchunk, length, causal, kbits, vbits, merge, ring, stages)
 
 
 def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
@@ -293,7 +312,8 @@ def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
 
 def kvarn_params(plan: KvarnPlan, recent_tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
     """kvarn_decode's int and float parameter arrays (the recent-token count moves every step)."""
-    values = (plan.records, plan.per, plan.sink, recent_tokens, int(plan.causal), plan.nsr + plan.nsf, plan.nsr, cap)
+    values = (plan.records, plan.per, plan.sink, recent_tokens, int(plan.causal), plan.nsr + plan.nsf, plan.nsr, cap,
+              plan.per16)
     return step_params(values, 3), float_params(scale)
 
 
@@ -321,7 +341,8 @@ def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], pa
 
 
 def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, causal: bool,
-                   per_warp: int | None = None, emulate: bool = False) -> tuple[mx.array, mx.array, int]:
+                   per_warp: int | None = None, emulate: bool = False, per_fp16: int | None = None
+                   ) -> tuple[mx.array, mx.array, int]:
     """Per-split partial attention of grouped queries qg (BH, NQ, D) over a kvarn layer's parts.
 
     Record splits come first and attend with the rotated queries (rotated inside the kernel), the fp16 splits
@@ -329,9 +350,10 @@ def kvarn_partials(qg: mx.array, scale: float, parts: KvarnParts, length: int, c
     (BH, NSPLIT, NQ, D), part_lse (BH, NSPLIT, NQ) and the number of record (rotated) splits.
     """
     bh, nq, d = qg.shape
-    plan = kvarn_plan(nq, d, bh, parts, length, causal, per_warp)
+    plan = kvarn_plan(nq, d, bh, parts, length, causal, per_warp, per_fp16)
     if emulate:
-        return (*_kvarn_emulated(qg * scale, parts, length, causal, plan.per * plan.warps), plan.nsr)
+        return (*_kvarn_emulated(qg * scale, parts, length, causal, plan.per * plan.warps, plan.per16 * plan.warps),
+                plan.nsr)
     arrays, cap = kvarn_inputs(parts)
     part_o, part_lse, *_ = kvarn_split_kernel(plan, qg, arrays, *kvarn_params(plan, parts.recent_tokens, cap, scale),
                                               mx.zeros((bh * plan.nchunk,), mx.uint32))
@@ -343,9 +365,10 @@ def _flat(field: mx.array) -> mx.array:
     return field.reshape(-1, *field.shape[2:])
 
 
-def _kvarn_emulated(qg: mx.array, parts: KvarnParts, length: int, causal: bool, run: int
+def _kvarn_emulated(qg: mx.array, parts: KvarnParts, length: int, causal: bool, run: int, run16: int
                     ) -> tuple[mx.array, mx.array]:
-    """The kvarn_decode algorithm in MLX (float32): record splits then fp16 splits of `run` units each, an
+    """The kvarn_decode algorithm in MLX (float32): record splits of `run` records, then fp16 splits of `run16`
+    units, an
     online softmax per split. A record's scores and values use the factored algebra on its codes
     (qs = q * k_scale, qz = q * k_zero, ps = p * v_scale, pz = p * v_zero) with the rotated queries."""
     bh, nq, d = qg.shape
@@ -386,8 +409,8 @@ def _kvarn_emulated(qg: mx.array, parts: KvarnParts, length: int, causal: bool, 
     record_units = [lambda i=i: record(i) for i in range(r)]
     fp16_units = [lambda: fp16_tile(sk, sv, None)]
     fp16_units += [lambda t0=t0: fp16_tile(rk[:, t0:t0 + 128], rv[:, t0:t0 + 128], t0) for t0 in range(0, nr, 128)]
-    runs = [record_units[i:i + run] for i in range(0, r, run)] + [fp16_units[i:i + run]
-                                                                  for i in range(0, len(fp16_units), run)]
+    runs = [record_units[i:i + run] for i in range(0, r, run)] + [fp16_units[i:i + run16]
+                                                                  for i in range(0, len(fp16_units), run16)]
     outs, lses = [], []
     for units in runs:
         m = mx.full((bh, nq), NEG_INF)
