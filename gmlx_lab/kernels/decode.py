@@ -199,7 +199,7 @@ def kvarn_units(records: int, recent: int) -> tuple[int, int]:
 
 
 # fp16 units a warp walks (setting `fp16_per_warp` "one", the default): an fp16 unit (128 tokens of fp16 K and V,
-# 64 KB at head_dim 128) reads 2.7x a 6-bit record's bytes and 4x a 4-bit one's, through plainer loads; at the
+# 64 KB at head_dim 128) reads 2.5x a 6-bit record's bytes and 3.7x a 4-bit one's, by 4-byte loads; at the
 # records' count a warp (6 at 128K; "as-records", round 5's split) the fp16 split's warps could be a call's last to
 # finish, which a decode step, whose layers wait for each other, pays (docs/gpu-performance.md, round 6).
 FP16_UNITS_PER_WARP = 1
