@@ -250,8 +250,9 @@ def kernel_merges() -> bool:
     threadgroup's writes visible to the others (Metal's do not). On by default: in the whole model on the H200
     (benchmarks/results/model_decode-h200.json, interleaved rounds at 8K, 32K and 128K) kvarn and affine decoded
     as fast or faster by the median merging in the kernel than with split_merge in every comparison, although the
-    kernel alone, called one after another, is faster with split_merge at 32K (docs/gpu-performance.md, round 5):
-    the step is bound by the host. model_decode.py's probes `one-launch` / `two-launch`."""
+    kernel alone, called one after another, is faster with split_merge (docs/gpu-performance.md, rounds 5 and 6);
+    on a faster host (round 6, model_decode-probes-round6-h200.json) two launches won all four comparisons, so the
+    default waits for runs on more than one host. model_decode.py's probes `one-launch` / `two-launch`."""
     return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 
