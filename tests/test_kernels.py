@@ -337,6 +337,28 @@ def test_kvarn_kernel_walks_records_and_fp16_units_at_their_own_counts(per: int,
     assert _rel(ko, eo) < KERNEL_TOL and mx.allclose(kl, el, rtol=KERNEL_TOL, atol=KERNEL_TOL).item()
 
 
+def test_kvarn_kernel_merges_more_splits_than_it_loads_at_once(merging_in_kernel: None) -> None:
+    """The merging threadgroup loads MERGE_DEPTH (16) splits at a time (common.h merge_partials): with one record a
+    warp, 19 splits, the records' 18 rotated and the fp16 one not, the kernel's own merge equals split_merge over
+    the partials of the same launch. The CUDA source only (Metal's merges in split_merge): on CPU threads here."""
+    with threads.on_cpu_threads("cuda"):
+        if decode.kernel_backend() != "cuda":
+            pytest.skip("an Apple GPU runs the Metal source, which never merges inside the kernel")
+        _merges_more_splits_than_it_loads_at_once()
+
+
+def _merges_more_splits_than_it_loads_at_once() -> None:
+    c = _kvarn_cache(128, 2, 4, 4, 128 + 70 * 128 + 90, 128, seed=12)
+    qg = group_queries(mx.random.normal((1, 8, 1, 128)), 2)
+    plan = decode.kvarn_plan(4, 128, 2, c.parts(), 1, False, per_warp=1)
+    assert plan.merge and plan.nsr == 18 and plan.nsr + plan.nsf == 19
+    arrays, cap = decode.kvarn_inputs(c.parts())
+    part_o, part_lse, out, _ = decode.kvarn_split_kernel(plan, qg, arrays,
+                                                         *decode.kvarn_params(plan, c.parts().recent_tokens, cap, 0.1),
+                                                         mx.zeros((2,), mx.uint32))
+    ref, _ = merge_splits(part_o, part_lse, rotate=True, rotated_splits=plan.nsr)
+    assert _rel(out, ref) < 1e-5
+
 def test_kvarn_splits_give_fp16_units_a_warp_each() -> None:
     """At 128K tokens (1015 records, a 1024-token tail, 8 kv heads) the records share the wave's warps left after
     the fp16 units' 9 (one a warp, whole threadgroups); `per_warp` sets both kinds unless `per_fp16` is given."""

@@ -49,45 +49,42 @@ FN void hadamard_rows(SHARED_PTR float* x, u32 rows, u32 d, u32 tid, u32 threads
 }
 
 // The split kernels' own merge (MERGE = 1: the last threadgroup of a (kv head, query chunk)): for each of its
-// ROWS query vectors j (query row j0 + j; rows past NQ repeat the last, for the caller not to store) and channels d, sum_i w_ij o_ij over the
+// ROWS query vectors j (query row j0 + j; rows past NQ are left unwritten) and channels d, sum_i w_ij o_ij over the
 // nsplit partials with w_ij = exp(lse_ij - top[j]) / den[j], the first nrot splits into rot[j D + d] and the
-// others into plain[j D + d] (or all into rot where plain is rot). A thread takes its elements 4 at a time and
-// loads 4 splits of each before adding any, so 32 loads are in flight rather than one at a time (a loop
-// of one load per step made kvarn's merged launch 94 µs a layer at 32K on the H200, against 54 + 4 for two).
+// others into plain[j D + d] (or all into rot where plain is rot). One thread runs this tail alone after the
+// others of its kernel end, so it is a chain of loads: a thread takes 4 channels of a row as one 16-byte load and
+// loads MERGE_DEPTH splits of them before adding any (4 elements by 4 splits at a time made kvarn's merged call
+// about 15 us slower than two launches on the H200; docs/gpu-performance.md, round 7). D: a multiple of 4.
+constexpr int MERGE_DEPTH = 16;
 template <int D, int ROWS, int THREADS>
 FN void merge_partials(GLOBAL_CONST float* lse_all, GLOBAL_CONST float* o_all, int NQ, int j0, int nsplit, int nrot,
                        SHARED_PTR const float* top, SHARED_PTR const float* den, SHARED_PTR float* rot,
                        SHARED_PTR float* plain, u32 tid) {
-  constexpr int E = (ROWS * D + THREADS - 1) / THREADS, EB = E < 4 ? E : 4;   // elements a thread, at once
-  for (int e0 = 0; e0 < E; e0 += EB) {
-    if (j0 + (int(tid) + e0 * THREADS) / D >= NQ) break;   // rows only increase: the rest are past NQ
-    float nr[EB], np[EB];
-    UNROLL for (int e = 0; e < EB; ++e) { nr[e] = 0.0f; np[e] = 0.0f; }
-    for (int i = 0; i < nsplit; i += 4) {
-      float l4[EB][4], o4[EB][4];
-      UNROLL for (int e = 0; e < EB; ++e) {
-        const int idx = min(int(tid) + (e0 + e) * THREADS, ROWS * D - 1), j = idx / D, d = idx % D;
-        const int jq = j0 + j < NQ ? j0 + j : NQ - 1;
-        UNROLL for (int u = 0; u < 4; ++u) {
-          const int s = i + u < nsplit ? i + u : nsplit - 1;   // past the end: read the last split, weigh it 0
-          l4[e][u] = lse_all[s * NQ + jq];
-          o4[e][u] = o_all[(u32(s) * u32(NQ) + u32(jq)) * u32(D) + u32(d)];
-        }
+  for (int q = int(tid); q < ROWS * D / 4; q += THREADS) {   // q: channels 4q .. 4q + 3 of the ROWS x D outputs
+    const int j = 4 * q / D, d = 4 * q % D;
+    if (j0 + j >= NQ) break;   // rows only increase with q
+    float4 nr = {0.0f, 0.0f, 0.0f, 0.0f}, np = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < nsplit; i += MERGE_DEPTH) {
+      float l[MERGE_DEPTH];
+      float4 o[MERGE_DEPTH];
+      UNROLL for (int u = 0; u < MERGE_DEPTH; ++u) {
+        const int s = min(i + u, nsplit - 1);   // past the end: read the last split, weigh it 0
+        l[u] = lse_all[s * NQ + j0 + j];
+        o[u] = *(GLOBAL_CONST float4*)(o_all + (u32(s) * u32(NQ) + u32(j0 + j)) * u32(D) + u32(d));
       }
-      UNROLL for (int e = 0; e < EB; ++e) {
-        const int j = min(int(tid) + (e0 + e) * THREADS, ROWS * D - 1) / D;
-        UNROLL for (int u = 0; u < 4; ++u) {
-          const float w = i + u < nsplit ? softmax_weight(l4[e][u], top[j]) : 0.0f;
-          if (i + u < nrot) nr[e] += w * o4[e][u]; else np[e] += w * o4[e][u];
-        }
+      UNROLL for (int u = 0; u < MERGE_DEPTH; ++u) {
+        const float w = i + u < nsplit ? softmax_weight(l[u], top[j]) : 0.0f;
+        const float wr = i + u < nrot ? w : 0.0f, wp = w - wr;   // the rotated splits' share, the others'
+        nr.x += wr * o[u].x; nr.y += wr * o[u].y; nr.z += wr * o[u].z; nr.w += wr * o[u].w;
+        np.x += wp * o[u].x; np.y += wp * o[u].y; np.z += wp * o[u].z; np.w += wp * o[u].w;
       }
     }
-    UNROLL for (int e = 0; e < EB; ++e) {
-      const int idx = int(tid) + (e0 + e) * THREADS, j = idx / D;
-      if (idx >= ROWS * D) continue;
-      const float inv = den[j] > 0.0f ? 1.0f / den[j] : 0.0f;
-      if (plain != rot) { rot[idx] = nr[e] * inv; plain[idx] = np[e] * inv; }
-      else rot[idx] = (nr[e] + np[e]) * inv;
+    const float inv = den[j] > 0.0f ? 1.0f / den[j] : 0.0f;
+    const float4 sum = {nr.x + np.x, nr.y + np.y, nr.z + np.z, nr.w + np.w};
+    const float4 r4 = plain != rot ? nr : sum;
+    rot[j * D + d] = r4.x * inv; rot[j * D + d + 1] = r4.y * inv; rot[j * D + d + 2] = r4.z * inv; rot[j * D + d + 3] = r4.w * inv;
+    if (plain != rot) {
+      plain[j * D + d] = np.x * inv; plain[j * D + d + 1] = np.y * inv; plain[j * D + d + 2] = np.z * inv; plain[j * D + d + 3] = np.w * inv;
     }
   }
 }
