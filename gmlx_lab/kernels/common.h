@@ -51,12 +51,12 @@ FN void hadamard_rows(SHARED_PTR float* x, u32 rows, u32 d, u32 tid, u32 threads
 // The split kernels' own merge (MERGE = 1: the last threadgroup of a (kv head, query chunk)): for each of its
 // ROWS query vectors j (query row j0 + j; rows past NQ are left unwritten) and channels d, sum_i w_ij o_ij over the
 // nsplit partials with w_ij = exp(lse_ij - top[j]) / den[j], the first nrot splits into rot[j D + d] and the
-// others into plain[j D + d] (or all into rot where plain is rot). One thread runs this tail alone after the
-// others of its kernel end, so it is a chain of loads: a thread takes 4 channels of a row as one 16-byte load and
-// loads MERGE_DEPTH splits of them before adding any (4 elements by 4 splits at a time made kvarn's merged call
-// about 15 us slower than two launches on the H200; docs/gpu-performance.md, round 7). D: a multiple of 4.
-constexpr int MERGE_DEPTH = 16;
-template <int D, int ROWS, int THREADS>
+// others into plain[j D + d] (or all into rot where plain is rot). One threadgroup runs this tail alone after
+// the others of its kernel end, so it is a chain of loads: a thread takes 4 channels of a row as one 16-byte load
+// and loads DEPTH splits of them before adding any. DEPTH costs registers (5 a split): kvarn_decode's are capped
+// anyway and it takes 16; affine_decode's set its occupancy, and 16 took it from 96 to 128 (docs/gpu-performance.md,
+// round 7). D: a multiple of 4.
+template <int D, int ROWS, int THREADS, int DEPTH>
 FN void merge_partials(GLOBAL_CONST float* lse_all, GLOBAL_CONST float* o_all, int NQ, int j0, int nsplit, int nrot,
                        SHARED_PTR const float* top, SHARED_PTR const float* den, SHARED_PTR float* rot,
                        SHARED_PTR float* plain, u32 tid) {
@@ -64,15 +64,15 @@ FN void merge_partials(GLOBAL_CONST float* lse_all, GLOBAL_CONST float* o_all, i
     const int j = 4 * q / D, d = 4 * q % D;
     if (j0 + j >= NQ) break;   // rows only increase with q
     float4 nr = {0.0f, 0.0f, 0.0f, 0.0f}, np = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int i = 0; i < nsplit; i += MERGE_DEPTH) {
-      float l[MERGE_DEPTH];
-      float4 o[MERGE_DEPTH];
-      UNROLL for (int u = 0; u < MERGE_DEPTH; ++u) {
+    for (int i = 0; i < nsplit; i += DEPTH) {
+      float l[DEPTH];
+      float4 o[DEPTH];
+      UNROLL for (int u = 0; u < DEPTH; ++u) {
         const int s = min(i + u, nsplit - 1);   // past the end: read the last split, weigh it 0
         l[u] = lse_all[s * NQ + j0 + j];
         o[u] = *(GLOBAL_CONST float4*)(o_all + (u32(s) * u32(NQ) + u32(j0 + j)) * u32(D) + u32(d));
       }
-      UNROLL for (int u = 0; u < MERGE_DEPTH; ++u) {
+      UNROLL for (int u = 0; u < DEPTH; ++u) {
         const float w = i + u < nsplit ? softmax_weight(l[u], top[j]) : 0.0f;
         const float wr = i + u < nrot ? w : 0.0f, wp = w - wr;   // the rotated splits' share, the others'
         nr.x += wr * o[u].x; nr.y += wr * o[u].y; nr.z += wr * o[u].z; nr.w += wr * o[u].w;
