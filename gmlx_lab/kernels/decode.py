@@ -33,8 +33,9 @@ DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled
 # loading each chunk's words just before its tensor-core products; ring_stages says how deep, and where no ring
 # fits it is off. Setting `ring` (config.py): "on", "off", or "auto", the ring from RING_MIN_RECORDS records a
 # head on. On the H200, calls chained as a model's layers run them (round 7, docs/gpu-performance.md): the ring
-# cut 4-5 us of 60-68 at 247 records a head (32K tokens) in two leases and 8-17 us at 1015 (128K); at 119 (16K)
-# it lost 1-2 us and at 55 (8K) it went both ways, so it starts between those.
+# cut 4-6 us of 60-76 at 247 records a head (32K tokens) in five of six comparisons over three leases (1 us in the
+# sixth) and 7-16 us at 1015 (128K); at 119 (16K) it lost 1-2 us and at 55 (8K) went both ways, so it starts
+# between those.
 RING_MIN_RECORDS = 192
 
 
@@ -179,25 +180,19 @@ def ring_slot_words(kbits: int, vbits: int) -> int:
 
 
 def kvarn_threadgroup_bytes(d: int, warps: int, ring_words: int) -> int:
-    """Threadgroup memory of one kvarn_decode threadgroup, as the body declares it: queries, per-warp weights,
-    softmax statistics and the ticket, then one slice's outputs and `ring_words` words of ring slots (0: no ring).
-    With a ring the outputs live in its memory (the body keeps a one-float stand-in); without, the ring is one
-    uint4."""
+    """Threadgroup memory of one kvarn_decode threadgroup: queries, per-warp weights, one slice's outputs, the
+    softmax statistics, the ticket and `ring_words` of ring slots (as the body declares them)."""
     qn = KVARN_QN
-    fixed = qn * d + warps * qn * KVARN_PROW + 2 * warps * qn + 2 * qn + 1
-    return 4 * (fixed + (1 + ring_words if ring_words else qn * KVARN_PROW + 4))
+    return 4 * (qn * d + warps * qn * KVARN_PROW + qn * KVARN_PROW + 2 * warps * qn + 2 * qn + 1 + ring_words)
 
 
 def ring_stages(d: int, kbits: int, vbits: int, warps: int, backend: str) -> int:
     """Slots a warp of the ring gets: as many as fit beside the rest of a threadgroup's memory, at most
-    RING_STAGES_MAX; 0 where fewer than two fit (at head_dim 512) and on Apple GPUs, whose copies are plain loads
-    (prelude_metal.h) and where the ring was never measured."""
-    if backend == "metal":
-        return 0
+    RING_STAGES_MAX; 0 where fewer than two fit (no ring: at head_dim 512, and on Apple GPUs' 32 KB)."""
     slot = ring_slot_words(kbits, vbits)
     limit = THREADGROUP_BYTES.get(backend, THREADGROUP_BYTES["cuda"])  # "cpu": the reference runs no kernel
-    fits = [n for n in range(2, RING_STAGES_MAX + 1) if kvarn_threadgroup_bytes(d, warps, n * warps * slot) <= limit]
-    return max(fits, default=0)
+    stages = (limit - kvarn_threadgroup_bytes(d, warps, 0)) // (4 * warps * slot)
+    return min(RING_STAGES_MAX, stages) if stages >= 2 else 0
 
 
 def kvarn_units(records: int, recent: int) -> tuple[int, int]:
