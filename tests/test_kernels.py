@@ -337,6 +337,26 @@ def test_kvarn_kernel_walks_records_and_fp16_units_at_their_own_counts(per: int,
     assert _rel(ko, eo) < KERNEL_TOL and mx.allclose(kl, el, rtol=KERNEL_TOL, atol=KERNEL_TOL).item()
 
 
+def test_kvarn_splits_give_fp16_units_a_warp_each() -> None:
+    """At 128K tokens (1015 records, a 1024-token tail, 8 kv heads) the records share the wave's warps left after
+    the fp16 units' 9 (one a warp, whole threadgroups); `per_warp` sets both kinds unless `per_fp16` is given."""
+    w = decode.KVARN_WARPS
+    per, per16, nsr, nsf = decode.kvarn_splits(1015, 1024, 8, w)
+    assert per16 == decode.FP16_UNITS_PER_WARP == 1 and nsf == -(-9 // w)
+    assert per == -(-1015 // (-(-decode.TARGET_WARPS // 8) - nsf * w)) and nsr == -(-1015 // (per * w))
+    assert (nsr + nsf) * w <= decode.TARGET_WARPS // 8 + w
+    assert decode.kvarn_splits(1015, 1024, 8, w, per_warp=5) == (5, 5, -(-1015 // (5 * w)), 1)
+    assert decode.kvarn_splits(1015, 1024, 8, w, per_warp=5, per_fp16=2) == (5, 2, -(-1015 // (5 * w)), 2)
+    # the setting fp16_per_warp="as-records" (round 5's split): every warp the same count of units
+    assert decode.kvarn_splits(1015, 1024, 8, w, fp16_as_records=True) == (6, 6, -(-1015 // (6 * w)), 1)
+    parts = _kvarn_cache(128, 2, 4, 4, 128 + 6 * 128 + 300, 256, seed=1).parts()
+    with config.configured(fp16_per_warp="as-records"):
+        assert decode.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2).per16 == 2
+    assert decode.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2, per_fp16=1).per16 == 1
+    with pytest.raises(ValueError, match="accepted: one, as-records"):
+        config.configured(fp16_per_warp="two").__enter__()
+
+
 def test_kernels_merge_more_splits_than_they_load_at_once(merging_in_kernel: None) -> None:
     """The merging threadgroup loads 16 splits at a time in kvarn_decode, 12 in affine_decode (common.h
     merge_partials): with one record a warp, 19 kvarn splits (the records' 18 rotated, the fp16 one not), and with
