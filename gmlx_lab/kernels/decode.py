@@ -34,8 +34,8 @@ DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled
 # fits it is off. Setting `ring` (config.py): "on", "off", or "auto", the ring from RING_MIN_RECORDS records a
 # head on. On the H200, calls chained as a model's layers run them (round 7, docs/gpu-performance.md): the ring
 # cut 4-6 us of 60-76 at 247 records a head (32K tokens) in five of six comparisons over three leases (1 us in the
-# sixth) and 7-16 us at 1015 (128K); at 119 (16K) it lost 1-2 us and at 55 (8K) went both ways, so it starts
-# between those.
+# sixth) and 7-16 us at 1015 (128K); at 119 (16K) it lost 0.8-1.5 us and at 55 (8K) went both ways, so it
+# starts between those.
 RING_MIN_RECORDS = 192
 
 
@@ -248,13 +248,12 @@ class KvarnPlan(NamedTuple):
 
 def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
-    with the setting `merge_in_kernel` (config.py) and the CUDA source, whose fences make one
-    threadgroup's writes visible to the others (Metal's do not). On by default: in the whole model on the H200
-    (benchmarks/results/model_decode-h200.json, interleaved rounds at 8K, 32K and 128K) kvarn and affine decoded
-    as fast or faster by the median merging in the kernel than with split_merge in every comparison, although the
-    kernel alone, called one after another, is faster with split_merge (docs/gpu-performance.md, rounds 5 and 6);
-    on a faster host (round 6, model_decode-probes-round6-h200.json) two launches won all four comparisons, so the
-    default waits for runs on more than one host. model_decode.py's probes `one-launch` / `two-launch`."""
+    with the setting `merge_in_kernel` (config.py) and the CUDA source, whose fences make one threadgroup's writes
+    visible to the others (Metal's do not). On by default: on the H200 (docs/gpu-performance.md, rounds 5-7) the
+    merged kernel decoded the whole model as fast or faster than split_merge's second launch on a slower host
+    (round 5), slower on a faster one (round 6), and within 2% of it once its merge loaded 16 splits at a time
+    (round 7, model_decode-round7-probes-h200.json); one launch a layer is less host work. model_decode.py's
+    probes `one-launch` / `two-launch`."""
     return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 
