@@ -14,7 +14,9 @@ For each context, every scheme side by side, each with a fresh cache (all kept u
      `mlx_lm.generate_step` (greedy, async-eval pipelining) from where its last round stopped, so a slow
      spell of the machine falls on every scheme alike; the wall-clock interval between consecutive yielded
      tokens is one token's time, each round's first token (pipeline start) left out; each row reports the
-     median, the 10th percentile and the count of its timed tokens; decode_tokens_per_s = 1000 / mean ms;
+     median, the 10th percentile and the count of its timed tokens; decode_tokens_per_s = 1000 / mean ms
+     (with async-eval pipelining an interval can shrink after a long one, so the 10th percentile need not be a
+     step's time: on the H200 mlx-lm's fell below its median by up to 60%; read the median);
   3. graph building: `--build-steps` more decode steps run one at a time, timing the Python call that builds
      the step's graph (`model(...)` plus the argmax) apart from its evaluation; `build_us_per_layer` spreads
      it over the layers; `encode_us_per_step` times `mx.async_eval`, where MLX hands the step's kernels to the
