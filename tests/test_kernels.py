@@ -293,6 +293,55 @@ def test_merging_kernels_hand_their_counter_on(scheme: str, merging_in_kernel: N
 
 
 @gpu
+def test_a_decode_call_is_kept_while_its_inputs_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kvarn cache prepares its fused call once and makes it again while nothing it was made from changed
+    (KVarNCache._fused_call): decode steps into a new 128-token tile of recent tokens, after a seal, a trim, a
+    changed setting and a changed path each match the reference; the tile, the seal, the setting and the path
+    prepare a new call."""
+    import gmlx_lab.cache.kvarn as kvarn_module
+
+    made = []
+
+    class Counted(decode.KvarnCall):
+        def __init__(self, *args, **kwargs) -> None:
+            made.append(args[3].recent_tokens)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(kvarn_module, "KvarnCall", Counted)
+    c = _kvarn_cache(128, 2, 4, 4, 128 + 3 * 128 + 250, 300, seed=8)  # 378 recent tokens: the third tile
+    c.attention_path = "fused"
+
+    def step(seed: int, tokens: int = 1) -> None:
+        k, v = random_kv(tokens, 2, 128, seed=seed)
+        keys, values = c.update_and_fetch(k, v)
+        q = mx.random.normal((1, 4, 1, 128))
+        with mx.stream(mx.cpu):
+            want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=None)
+        assert _rel(c.attend(q, keys, values, 0.1, None), want) < 5e-3, (seed, c.recent_count)
+
+    for seed in range(10):  # 379..388 recent tokens: a fourth tile from 385
+        step(seed)
+    assert made == [379, 385], made
+    records = c.n_records
+    step(10, tokens=40)  # 428: the same tile
+    step(11, tokens=128)  # a record sealed as 128 tokens arrive: 428 again, in the same tile, over a new body
+    assert c.n_records == records + 1 and made == [379, 385, 428], made
+    step(12)  # 301: sealed again
+    c.trim(2)
+    step(13)  # 300, the same tile and arrays after a trim: the call kept
+    assert made == [379, 385, 428, 301], made
+    with config.configured(ring="off" if decode.ring_for(c.n_records, config.current().ring) else "on"):
+        step(14)
+    step(15)
+    assert made == [379, 385, 428, 301, 301, 302], made  # the setting, then back
+    c.attention_path = "reference"
+    step(16)
+    c.attention_path = "fused"
+    step(17)
+    assert made == [379, 385, 428, 301, 301, 302, 304], made
+
+
+@gpu
 def test_merge_in_kernel_switch() -> None:
     """The setting merge_in_kernel (config.py; the model_decode probes `one-launch` / `two-launch`) merges the splits
     inside the CUDA kernel, else split_merge does on every backend; both give the reference's attention."""

@@ -29,11 +29,13 @@ import mlx.core as mx
 
 from ..kernels import (
     MAX_QUERY_TOKENS,
+    KvarnCall,
     SplitCounter,
     kvarn_attend,
     kvarn_supported,
     kvarn_tokens,
     seal_records,
+    selfcheck,
     unpack_records,
 )
 from ..records import (
@@ -79,6 +81,7 @@ class KVarNCache(BlockCache):
                          head_dim_ext=head_dim_ext)
         self._prefix: tuple[Any, Any, KV] | None = None  # (body, sink, their decoded graph) for GPU decode steps
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
+        self._call: tuple[tuple[Any, ...], tuple[Any, ...], KvarnCall] | None = None  # (_fused_call's key, call)
 
     # -- what a block scheme writes: records -----------------------------------------------------
     def rotate(self, x: mx.array) -> mx.array:
@@ -179,6 +182,9 @@ class KVarNCache(BlockCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention over every region: the fused kernels on a GPU, else softmax over the fetched K/V."""
+        call = self._fused_call(queries, scale, mask)
+        if call is not None:
+            return call(queries, self.recent_count, self._counter)
         parts = self.parts()
         route = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode")
         if route is not None:
@@ -186,6 +192,25 @@ class KVarNCache(BlockCache):
         if self.body is None or self._unpacks():  # the fetched K/V: fp16 only, or one kvarn_unpack pass (GPU)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         return self._attend_by_region(queries, scale, mask)
+
+    def _fused_call(self, queries: mx.array, scale: float, mask: Any) -> KvarnCall | None:
+        """The fused kernel's call for this step, or None where `attend` takes another route. The answer is kept
+        from the last step while what it was made from is the same: the route's inputs (`selfcheck.context`, the
+        path), the queries' geometry, the arrays read (as objects), the recent tokens' 128-token tiles. Asking it
+        all again every step cost more host time than the launch itself (docs/gpu-performance.md, round 8)."""
+        if self.body is None or not (mask is None or isinstance(mask, str)):
+            return None
+        n = self.recent_count
+        objects = (self.body, self.sink, self.recent.k.data, self.recent.v.data)
+        values = (queries.shape, queries.dtype, scale, mask, -(-n // 128), n >= queries.shape[2], self.attention_path,
+                  selfcheck.context())
+        if self._call is not None and self._call[1] == values and all(a is b for a, b in zip(self._call[0], objects)):
+            return self._call[2]
+        parts = self.parts()
+        fused = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode") == "fused"
+        call = KvarnCall(queries.shape, scale, isinstance(mask, str) and queries.shape[2] > 1, parts) if fused else None
+        self._call = (objects, values, call)
+        return call
 
     def _attend_by_region(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """The reference attention, as the fused kernel computes it: the records in rotated space with rotated

@@ -130,9 +130,15 @@ def run_graph(graph: Callable[..., mx.array], key: Any, *arrays: mx.array) -> mx
     and dtypes must fix the graph: every value that changes between steps is one of `arrays`, never captured.
     The CPU (and CPU threads, which run kernels eagerly) calls `graph` as it is; so does the setting
     `compile_graphs=False` (config.py), which benchmarks/model_decode.py's probe `uncompiled` measures."""
+    return graph_function(graph, key)(*arrays)
+
+
+def graph_function(graph: Callable[..., mx.array], key: Any) -> Callable[..., mx.array]:
+    """`graph` with its key bound, as `run_graph` calls it: compiled on a GPU backend, else as it is. A caller that
+    runs the same graph every step may keep it while the backend and the settings stay (decode.KvarnCall)."""
     if not config.current().compile_graphs or active_backend() == "cpu":
-        return graph(key, *arrays)
-    return _compiled(graph, key)(*arrays)
+        return partial(graph, key)
+    return _compiled(graph, key)
 
 
 @lru_cache(maxsize=32)

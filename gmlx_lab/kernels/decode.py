@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..records import KVARN_HEAD_DIMS, KvarnParts, Records, unpack_rows
 from . import config
-from .build import kernel_backend, launch, run_graph
+from .build import graph_function, kernel_backend, launch, run_graph
 from .sources import CUDA_DEFINES
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
@@ -313,10 +313,15 @@ def kvarn_inputs(parts: KvarnParts) -> tuple[list[mx.array], int]:
 
 
 def kvarn_params(plan: KvarnPlan, recent_tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
-    """kvarn_decode's int and float parameter arrays (the recent-token count moves every step)."""
+    """kvarn_decode's int and float parameter arrays."""
+    return kvarn_step_params(plan, recent_tokens, cap), float_params(scale)
+
+
+def kvarn_step_params(plan: KvarnPlan, recent_tokens: int, cap: int) -> mx.array:
+    """kvarn_decode's int parameters, whose recent-token count moves every step (a row of `step_params`' table)."""
     values = (plan.records, plan.per, plan.sink, recent_tokens, int(plan.causal), plan.nsr + plan.nsf, plan.nsr, cap,
               plan.per16)
-    return step_params(values, 3), float_params(scale)
+    return step_params(values, 3)
 
 
 def kvarn_split_kernel(plan: KvarnPlan, qg: mx.array, arrays: list[mx.array], params: mx.array,
@@ -448,13 +453,29 @@ def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, 
                                                 emulate=True)
         out, _ = merge_splits(part_o, part_lse, rotate=True, dtype=queries.dtype, emulate=True, rotated_splits=nrot)
         return ungroup(out, b, hq, length)
-    plan = kvarn_plan((hq // hkv) * length, d, b * hkv, parts, length, causal)
-    arrays, cap = kvarn_inputs(parts)
-    counter = counter or SplitCounter()
-    out, after = run_graph(_kvarn_graph, (plan, hkv), queries, *arrays,
-                           *kvarn_params(plan, parts.recent_tokens, cap, scale), counter.take(b * hkv * plan.nchunk))
-    counter.put(after)
-    return out
+    return KvarnCall(queries.shape, scale, causal, parts)(queries, parts.recent_tokens, counter or SplitCounter())
+
+
+class KvarnCall:
+    """A kvarn_decode call prepared for decode steps: its plan, compiled graph and the inputs that stay (records,
+    sink, recent buffers, scale). A step passes what moves: the queries, the recent-token count and the counter.
+    KVarNCache keeps one while nothing it was made from changed (its arrays stay the same objects: a write into
+    the recent buffers updates them in place), so a step does not plan its launch again: host time a layer."""
+
+    def __init__(self, shape: tuple[int, ...], scale: float, causal: bool, parts: KvarnParts):
+        b, hq, length, d = shape
+        hkv = parts.sink.k.shape[1]
+        self.plan = kvarn_plan((hq // hkv) * length, d, b * hkv, parts, length, causal)
+        self.arrays, self.cap = kvarn_inputs(parts)
+        self.fparams = float_params(scale)
+        self.counter_size = b * hkv * self.plan.nchunk
+        self.graph = graph_function(_kvarn_graph, (self.plan, hkv))
+
+    def __call__(self, queries: mx.array, recent_tokens: int, counter: SplitCounter) -> mx.array:
+        params = kvarn_step_params(self.plan, recent_tokens, self.cap)
+        out, after = self.graph(queries, *self.arrays, params, self.fparams, counter.take(self.counter_size))
+        counter.put(after)
+        return out
 
 
 def _kvarn_graph(key: tuple[KvarnPlan, int], queries: mx.array, *arrays: mx.array) -> tuple[mx.array, mx.array]:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..records import KV, KvarnParts, decode_tokens, encode_tokens, unpack_rows
-from .build import active_backend, forget_kernels
+from . import config
+from .build import active_backend, forget_kernels, kernel_backend
 from .decode import (
     affine_attend,
     affine_partials,
@@ -44,6 +45,7 @@ class CheckResult:
 
 
 _results: dict[str, CheckResult] = {}
+_epoch = 0  # results recorded or forgotten so far (`context`)
 
 
 def _relative(a: mx.array, b: mx.array) -> float:
@@ -128,7 +130,7 @@ def run(name: str) -> CheckResult:
     except Exception as exc:  # noqa: BLE001  (a compile or launch error is what the check is for)
         passed, reason = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
     result = CheckResult(name, passed, reason, round(time.perf_counter() - t0, 3))
-    _results[name] = result
+    _record(name, result)
     if not passed:
         warnings.warn(f"gmlx_lab kernel {name} failed its self-check on this GPU ({reason}); the caches use the "
                       "pure-MLX reference path for it (slower, correct). `gmlx-lab doctor` shows every check.",
@@ -145,6 +147,19 @@ def passed(name: str) -> bool:
     return result.passed
 
 
+def _record(name: str, result: CheckResult) -> None:
+    global _epoch
+    _results[name] = result
+    _epoch += 1
+
+
+def context() -> tuple[str, config.KernelConfig, int]:
+    """What decides whether and how a fused kernel runs, as of now: the source the kernels run (the GPU's, or CPU
+    threads'), the settings in force and the self-checks recorded so far. A call prepared in one context may be
+    made again while it stays the same (KVarNCache's decode steps)."""
+    return kernel_backend(), config.current(), _epoch
+
+
 def failure(name: str) -> str | None:
     """Why kernel `name` is not used, if its self-check ran and failed (None otherwise)."""
     result = _results.get(name)
@@ -154,7 +169,9 @@ def failure(name: str) -> str | None:
 def reset() -> None:
     """Forget the results and the compiled kernels, so the next use compiles and checks again (tests; after
     changing a kernel's source in a session)."""
+    global _epoch
     _results.clear()
+    _epoch += 1
     forget_kernels()
 
 
