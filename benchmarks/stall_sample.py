@@ -51,6 +51,7 @@ def child(impl: str, tokens: int, warm: int) -> None:
     from gmlx_lab.kernels import config
 
     q, k, v = random_qkv(tokens)
+    qs = [q]  # the state functions take the queries as a list (decode_attention.py chains calls through it)
     scale = D**-0.5
     settings: dict[str, Any] = {}
     name = impl
@@ -59,11 +60,11 @@ def child(impl: str, tokens: int, warm: int) -> None:
             name, settings["ring"] = name.removesuffix(suffix), value
     with config.configured(**settings):
         if name == "fp16_sdpa":
-            fn = sdpa_state(q, k, v, scale)[0]
+            fn = sdpa_state(qs, k, v, scale)[0]
         elif name.startswith("fused_kvarn"):
-            fn = fused_kvarn_state(q, k, v, scale, int(name.removeprefix("fused_kvarn")))[0]
+            fn = fused_kvarn_state(qs, k, v, scale, int(name.removeprefix("fused_kvarn")))[0]
         elif name.startswith("fused_affine"):
-            fn = fused_affine_state(q, k, v, scale, int(name.removeprefix("fused_affine")))[0]
+            fn = fused_affine_state(qs, k, v, scale, int(name.removeprefix("fused_affine")))[0]
         else:
             raise SystemExit(f"unknown impl {impl!r}")
         for _ in range(warm):

@@ -299,3 +299,21 @@ def test_policy_takes_narrow_heads_only_with_the_extension():
     chosen = gmlx_lab.policy(model, "kvarn", bits=4, head_dim_ext=1)
     assert "kvarn4 tail=1024 ext -> quantized 3/4" in str(chosen) and "outside gmlx's format" in str(chosen)
     assert chosen.layers[0].decision == "kvarn" and "extension" in chosen.layers[0].reason
+
+
+@pytest.mark.parametrize("tail, extra", [(256, 0), (1024, 0), (300, 40)])
+def test_recent_buffers_stay_row_contiguous(tail, extra):
+    """What the fused kernel reads must be row-contiguous, or MLX copies it at every launch: after a seal that
+    leaves whole growth steps of recent tokens (256, 1024: one part left to move down) as after any other, and
+    after decode steps."""
+    k, v = random_kv(128 + 4 * 128 + tail + extra + 3)
+    cache = KVarNCache(4, 4, kv_tail_tokens=tail)
+    cache.update_and_fetch(k[:, :, :-3], v[:, :, :-3])
+    cache.seal()
+    assert cache.recent_count == tail + extra
+    for i in range(4):
+        for buf in cache.recent:
+            mx.eval(buf.data)
+            assert memoryview(buf.data).c_contiguous, (tail, cache.recent_count, buf.data.shape)
+        if i < 3:
+            cache.update_and_fetch(k[:, :, -3 + i:][:, :, :1], v[:, :, -3 + i:][:, :, :1])

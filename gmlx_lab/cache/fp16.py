@@ -59,14 +59,17 @@ class GrowingBuffer:
 
     def remove(self, start: int, stop: int, end: int) -> None:
         """Forget tokens [start, stop) of the `end` held: the later ones move down (one copy) into a buffer
-        of whole growth steps, so the size depends only on the tokens held (a rolling window stays flat)."""
+        of whole growth steps, so the size depends only on the tokens held (a rolling window stays flat).
+        The buffer stays row-contiguous, also where one part is left (MLX's concatenate of one array is a
+        view): a kernel launch copies an input that is not, at every launch (two copies a kvarn_decode call
+        when 1024 recent tokens were left, seen on the H200 in round 8)."""
         kept = end - (stop - start)
         parts = [self.data[:, :, :start]] if start else []
         parts += [self.data[:, :, stop:end]] if end > stop else []
         spare = -(-max(kept, 1) // self.step) * self.step - kept
         if spare:
             parts.append(mx.zeros((*self.data.shape[:2], spare, *self.data.shape[3:]), self.dtype))
-        self.data = mx.concatenate(parts, axis=2)
+        self.data = mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.contiguous(parts[0])
 
     def capacity(self) -> int:
         return 0 if self.data is None else self.data.shape[2]
