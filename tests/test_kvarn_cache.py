@@ -317,3 +317,23 @@ def test_recent_buffers_stay_row_contiguous(tail, extra):
             assert memoryview(buf.data).c_contiguous, (tail, cache.recent_count, buf.data.shape)
         if i < 3:
             cache.update_and_fetch(k[:, :, -3 + i:][:, :, :1], v[:, :, -3 + i:][:, :, :1])
+
+
+def test_a_seal_lets_the_old_body_go():
+    """kvarn keeps its fused call's answer from one decode step to the next (KVarNCache._fused_call), which holds
+    the arrays it read; a seal makes a new body and drops it, so the old body is not kept alive until the next
+    attention (a trim or a rolled window alike)."""
+    import gc
+    import weakref
+
+    k, v = random_kv(512 + 1 + 200 + 1)
+    cache = KVarNCache(4, 4, kv_tail_tokens=128)
+    for start, end in ((0, 512), (512, 513)):  # the second update seals what left the tail before it
+        keys, values = cache.update_and_fetch(k[:, :, start:end], v[:, :, start:end])
+    cache.attend(mx.random.normal((1, 4, 1, 128)), keys, values, 0.1, None)  # the answer is kept
+    old = weakref.ref(cache.body.k[0])
+    records = cache.n_records
+    for start, end in ((513, 713), (713, 714)):
+        cache.update_and_fetch(k[:, :, start:end], v[:, :, start:end])
+    gc.collect()
+    assert cache.n_records > records and old() is None

@@ -81,7 +81,7 @@ class KVarNCache(BlockCache):
                          head_dim_ext=head_dim_ext)
         self._prefix: tuple[Any, Any, KV] | None = None  # (body, sink, their decoded graph) for GPU decode steps
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
-        self._call: tuple[tuple[Any, ...], tuple[Any, ...], KvarnCall] | None = None  # (_fused_call's key, call)
+        self._call: tuple[tuple[Any, ...], tuple[Any, ...], KvarnCall | None] | None = None  # _fused_call's
 
     # -- what a block scheme writes: records -----------------------------------------------------
     def rotate(self, x: mx.array) -> mx.array:
@@ -211,6 +211,12 @@ class KVarNCache(BlockCache):
         call = KvarnCall(queries.shape, scale, isinstance(mask, str) and queries.shape[2] > 1, parts) if fused else None
         self._call = (objects, values, call)
         return call
+
+    def _hold_blocks(self, n: int) -> None:
+        """The base's, and the kept fused call goes with the body it read: it must not keep the old body's arrays
+        alive (a trim, a seal or a rolled window frees them)."""
+        super()._hold_blocks(n)
+        self._call = None
 
     def _attend_by_region(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """The reference attention, as the fused kernel computes it: the records in rotated space with rotated
