@@ -127,6 +127,7 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "position_kl_figure": lambda: [viz.position_kl_figure(_fidelity_dict())],
     "kernel_times_figure": lambda: [viz.kernel_times_figure(data)
                                     for data in RESULT("decode_attention-*.json").values()],
+    "stall_figure": lambda: [viz.stall_figure(data) for data in RESULT("decode_stalls-round*.json").values()],
     "bars_figure": lambda: [viz.bars_figure([{"family": f, "scheme": s, "saved %": v, "note": n}
                                              for f in ("llama", "deepseek_v3")
                                              for s, v, n in (("affine8", 46.9, ""), ("kvarn6", 0.0, "declined: MLA"),

@@ -42,6 +42,8 @@ from .figures import (
     regions_stream,
     sink_layers_figure,
     sink_mass_figure,
+    stall_figure,
+    stall_shares,
     table_html,
     weights_kv_figure,
     weights_kv_positions,
@@ -81,7 +83,8 @@ __all__ = [
     "layer_kind_figure", "layer_shapes", "normalize_history", "normalize_rounds", "normalize_toy_figure", "num",
     "outlier_ratio", "outlier_row", "passkey_heatmaps", "policy_bytes", "policy_strip", "position_kl_figure",
     "quant_error", "record_bytes", "record_figure", "record_of", "regions_bar", "regions_stream", "scheme_color",
-    "scheme_colors", "sink_layers_figure", "sink_mass_figure", "source", "table_html", "trace_styles",
+    "scheme_colors", "sink_layers_figure", "sink_mass_figure", "source", "stall_figure", "stall_shares",
+    "table_html", "trace_styles",
     "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
 __all__ += ["Say", "say"]

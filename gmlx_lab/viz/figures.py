@@ -19,7 +19,7 @@ from ..policy import Policy
 from ..records import region_tokens
 from ..registry import BASELINE, SCHEMES, get_scheme
 from .quant import AffineRow, hadamard, outlier_ratio
-from .style import context_ticks, log_ticks, num, scheme_color, scheme_colors, trace_styles  # noqa: F401  (scheme_color: imported from here too)
+from .style import OTHER_COLOR, context_ticks, log_ticks, num, scheme_color, scheme_colors, shade, trace_styles  # noqa: F401  (scheme_color: imported from here too)
 
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
 REGION_NAMES = {"sink": "sink (fp16)", "body": "records (quantized)", "live": "live group (fp16)",
@@ -503,6 +503,48 @@ def kernel_times_figure(data: dict[str, Any], title: str | None = None) -> go.Fi
                         hovertemplate="%{x} tokens: %{y:.3g} µs<extra>" + html.escape(impl) + "</extra>")
     fig.update_xaxes(**context_ticks(r["context"] for r in rows))
     fig.update_yaxes(**log_ticks(r["us"] for r in rows))
+    return fig
+
+
+def stall_shares(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sampled calls of a stall file (benchmarks/results/decode_stalls-*, `stall_sample.py`), longest context
+    first and fp16 SDPA (the baseline) first within one: per call its main kernel (the most samples), µs under the
+    profiler, warp instructions executed, the share of warp slots active, and the share of its program-counter
+    samples by stall reason ("selected": the warp issued)."""
+    rows = []
+    for case in data["cases"]:
+        if not case.get("kernels"):
+            continue
+        kernel = max(case["kernels"], key=lambda k: sum(k["reasons"].values()))
+        total = sum(kernel["reasons"].values())
+        rows.append({"impl": case["impl"], "context": case["context"], "kernel": kernel["kernel"],
+                     "us": kernel["gpu__time_duration.sum"] / 1e3, "instructions": kernel["smsp__inst_executed.sum"],
+                     "active": kernel["sm__warps_active.avg.pct_of_peak_sustained_active"] / 100,
+                     "shares": {reason: n / total for reason, n in kernel["reasons"].items()}})
+    return sorted(rows, key=lambda r: (-r["context"], r["impl"] != "fp16_sdpa"))
+
+
+def stall_figure(data: dict[str, Any], title: str | None = None, top: int = 6) -> go.Figure:
+    """What each sampled call's warps wait on: one stacked bar per call (fp16 SDPA first), its samples' shares by
+    reason on one shared axis, the `top` reasons over all bars by name and the rest as "other"."""
+    rows = stall_shares(data)
+    summed: dict[str, float] = {}
+    for r in rows:
+        for reason, share in r["shares"].items():
+            summed[reason] = summed.get(reason, 0.0) + share
+    reasons = sorted(summed, key=summed.get, reverse=True)[:top]
+    colors = {**{r: st["color"] for r, st in trace_styles(reasons).items()}, "other": shade(OTHER_COLOR, 0.7)}
+    names = [f"{r['impl']} at {r['context'] // 1024}K tokens" for r in rows]
+    fig = _fig(title=title or f"what the warps wait on, one decode call each on {data.get('device', '?')}",
+               xaxis_title="share of the call's sampled warp cycles (%)", yaxis_title="decode attention call",
+               barmode="stack", height=160 + 56 * max(len(rows), 1), legend={"traceorder": "normal"})
+    for label in [*reasons, "other"]:
+        shares = [r["shares"].get(label, 0.0) if label != "other" else
+                  sum(v for k, v in r["shares"].items() if k not in reasons) for r in rows]
+        fig.add_bar(y=names, x=[100 * v for v in shares], name=label, orientation="h", marker_color=colors[label],
+                    hovertemplate="%{y}: %{x:.3g}% " + html.escape(label) + "<extra></extra>")
+    fig.update_yaxes(autorange="reversed")
+    fig.update_xaxes(range=[0, 100])
     return fig
 
 
