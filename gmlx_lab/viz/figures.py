@@ -19,7 +19,17 @@ from ..policy import Policy
 from ..records import region_tokens
 from ..registry import BASELINE, SCHEMES, get_scheme
 from .quant import AffineRow, hadamard, outlier_ratio
-from .style import OTHER_COLOR, context_ticks, log_ticks, num, scheme_color, scheme_colors, shade, trace_styles  # noqa: F401  (scheme_color: imported from here too)
+from .style import (  # noqa: F401  (scheme_color: imported from here too)
+    CATEGORY_COLORS,
+    OTHER_COLOR,
+    context_ticks,
+    log_ticks,
+    num,
+    scheme_color,
+    scheme_colors,
+    shade,
+    trace_styles,
+)
 
 REGION_COLORS = {"sink": "#6a3d9a", "body": "#ff7f0e", "live": "#b2df8a", "tail": "#33a02c"}
 REGION_NAMES = {"sink": "sink (fp16)", "body": "records (quantized)", "live": "live group (fp16)",
@@ -533,7 +543,8 @@ def stall_figure(data: dict[str, Any], title: str | None = None, top: int = 6) -
         for reason, share in r["shares"].items():
             summed[reason] = summed.get(reason, 0.0) + share
     reasons = sorted(summed, key=summed.get, reverse=True)[:top]
-    colors = {**{r: st["color"] for r, st in trace_styles(reasons).items()}, "other": shade(OTHER_COLOR, 0.7)}
+    # stall reasons are no schemes: the category colours in order, whatever schemes are registered
+    colors = {**dict(zip(reasons, CATEGORY_COLORS)), "other": shade(OTHER_COLOR, 0.7)}
     names = [f"{r['impl']} at {r['context'] // 1024}K tokens" for r in rows]
     fig = _fig(title=title or f"what the warps wait on, one decode call each on {data.get('device', '?')}",
                xaxis_title="share of the call's sampled warp cycles (%)", yaxis_title="decode attention call",
