@@ -7,6 +7,10 @@
     tradeoff     equal-memory comparisons: fidelity against bytes per token
     experiments  beyond KL: passkey retrieval, draft acceptance, KV on quantized weights
     metrics      KL, perplexity
+    passages     the evaluation passages shipped with the package, and the token windows cut from them
+    intervals    95% intervals (bootstrap over passages, Wilson for counts) and `compare`, the one way to name a winner
+    banded       fidelity on several passages and contexts, every number with its interval
+    verdict      which scheme when: the committed banded results as recommendations by memory budget and context
 
 They sit above the caches, the policy and the spec grammar (gmlx_lab.specs), and below the figures and
 widgets. Their old paths (gmlx_lab.fidelity, gmlx_lab.memory, ...) still import (gmlx_lab/__init__.py).

@@ -177,14 +177,10 @@ def pairs(points: Sequence[TradeoffPoint], first: str = "kvarn", second: str = "
 
 
 def versus(a: TradeoffPoint, b: TradeoffPoint) -> str:
-    """One comparison in words, the verdict computed: "kvarn2 tail=0 (37.6% of fp16, KL 2.1e-03) has 2.3 times
-    less KL than affine4 g64 (37.1%, KL 4.8e-03)"."""
+    """Two points side by side with their KL ratio: "kvarn2 tail=0 (37.6% of fp16, KL 2.1e-03) beside affine4 g64
+    (37.1%, KL 4.8e-03): KL ratio 0.43". One run has no interval, so this names no winner
+    (`intervals.compare` does, over passages)."""
     if a.kl <= 0 or b.kl <= 0:
         raise ValueError(f"versus compares two points with KL > 0, got {a.label} ({a.kl}) and {b.label} ({b.kl})")
-    ratio = b.kl / a.kl
-    times = max(ratio, 1 / ratio)
-    times_text = f"{times:.0f}" if times >= 10 else f"{times:.2g}"
-    how = (f"{times_text} times less KL than" if ratio >= 1.05 else f"{times_text} times more KL than"
-           if ratio <= 1 / 1.05 else "about the KL of")
-    return (f"{a.label} ({100 * a.share_of_fp16:.1f}% of fp16, KL {a.kl:.1e}) has {how} {b.label} "
-            f"({100 * b.share_of_fp16:.1f}%, KL {b.kl:.1e})")
+    return (f"{a.label} ({100 * a.share_of_fp16:.1f}% of fp16, KL {a.kl:.1e}) beside {b.label} "
+            f"({100 * b.share_of_fp16:.1f}%, KL {b.kl:.1e}): KL ratio {a.kl / b.kl:.2g}")

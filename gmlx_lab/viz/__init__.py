@@ -61,6 +61,7 @@ from .quant import (
     outlier_row,
     quant_error,
     record_of,
+    scale_spans,
 )
 from .say import Say, say
 from .sources import (
@@ -73,6 +74,7 @@ from .sources import (
 )
 from .style import context_ticks, figure_problems, log_ticks, num, scheme_color, scheme_colors, trace_styles
 from .tradeoff import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
+from .verdict import verdict_figure
 
 __all__ = [
     "AffineRow", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "LayerShape", "REAL_DENSE_CONFIGS", "REGION_COLORS",
@@ -90,6 +92,7 @@ __all__ = [
 __all__ += ["Say", "say"]
 __all__ += ["SchemeIdea", "field_kl_figure", "field_passkey_figure", "idea_figure", "scheme_idea"]
 __all__ += ["context_ticks", "log_ticks"]
+__all__ += ["scale_spans", "verdict_figure"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 

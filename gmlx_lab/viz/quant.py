@@ -149,3 +149,24 @@ def outlier_ratio(x: np.ndarray) -> float:
     """How far the largest channel sticks out: max over channels of max |x| over tokens, over the median channel's."""
     peak = np.abs(np.asarray(x, np.float32)).max(0)
     return float(peak.max() / max(float(np.median(peak)), 1e-12))
+
+
+def scale_spans(x: np.ndarray, block: int = 32, group: int = 64) -> dict[str, float]:
+    """The mean range (max - min) a shared scale must cover, for the two ways of grouping a (tokens, channels) tile.
+
+    "per token": each token's `group` neighbouring channels share a scale (affine, the float formats, KIVI's V);
+    "per channel": each channel's `block` consecutive tokens share one (KIVI's K). A scale's step is its range over
+    2^bits - 1, so the smaller range is the finer step at the same width. Both before and after a Hadamard rotation.
+    """
+    x = np.asarray(x, np.float32)
+    tokens, channels = x.shape
+    if tokens < block or channels % group:
+        raise ValueError(f"scale_spans needs at least {block} tokens and channels in groups of {group}, got {x.shape}")
+    out = {}
+    for name, tile in (("", x), (" after rotation", hadamard(x))):
+        t = tile[: tokens - tokens % block]
+        per_token = t.reshape(len(t), channels // group, group)
+        per_channel = t.reshape(len(t) // block, block, channels)
+        out["per token" + name] = float(np.ptp(per_token, axis=2).mean())
+        out["per channel" + name] = float(np.ptp(per_channel, axis=1).mean())
+    return out

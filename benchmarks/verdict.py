@@ -1,0 +1,89 @@
+"""Fidelity with noise bands for notebook 12 ("which scheme when"): every built-in scheme, several contexts.
+
+    python benchmarks/verdict.py --model gemma3-270m --contexts 1024,4096,8192
+    python benchmarks/verdict.py --model gemma3-270m --contexts 2048          # adds to the same file
+    python benchmarks/verdict.py --model teaching-llama --contexts 512,2048 --schemes affine4,kvarn4
+
+Method (gmlx_lab.measure.banded): 8 passage windows (gmlx_lab.measure.passages) run as one batch; at each
+context the fp16 cache prefills the window, each scheme stores what it held (the same K/V for every scheme),
+then 256 tokens are decoded one at a time, teacher-forced. Per passage: mean and median KL(fp16 || scheme),
+top-1 agreement, NLL; 95% percentile-bootstrap intervals over passages. Rows are written as they are made
+to benchmarks/results/verdict-<model>-<machine>.json, keyed by (context, spec): a run adds to or replaces
+rows of the file, never others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from gmlx_lab.cli import load_model
+from gmlx_lab.doctor import machine_tag
+from gmlx_lab.measure.banded import VERDICT_SPECS, Row, banded_fidelity
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHOD = ("banded_fidelity: {count} passage windows as one batch; at each context the fp16 cache prefills "
+          "(chunks of 2048), each scheme's cache stores what it held (experiments.stored_prefix), then {decode} "
+          "tokens are decoded one at a time, teacher-forced, through each cache; per passage mean and median "
+          "KL(fp16 || scheme) in nats, top-1 agreement with fp16 and mean NLL of the text; 95% percentile-bootstrap "
+          "intervals over passages (10,000 draws, seed 0). bytes: the byte formulas at the context, layers the "
+          "policy keeps fp16 counted as fp16.")
+
+
+def machine() -> dict[str, Any]:
+    """Where the rows were measured."""
+    return {"tag": machine_tag(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
+            "blas_preload": os.environ.get("LD_PRELOAD", "")}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--contexts", default="1024,4096,8192")
+    parser.add_argument("--decode", type=int, default=256)
+    parser.add_argument("--count", type=int, default=8)
+    parser.add_argument("--schemes", default=",".join(VERDICT_SPECS))
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model)
+    name = getattr(model, "gmlx_name", None) or args.model
+    out = RESULTS / f"verdict-{name}-{machine_tag()}.json"
+    data = json.loads(out.read_text()) if out.exists() else {"model": name, "rows": []}
+    run = {"command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]), "commit": commit(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(), "method": METHOD.format(count=args.count, decode=args.decode),
+           "decode": args.decode, "count": args.count}
+    data.setdefault("runs", []).append(run)
+
+    def keep(row: Row) -> None:
+        item = {**row.to_dict(), "run": len(data["runs"]) - 1}
+        data["rows"] = [r for r in data["rows"] if (r["context"], r["spec"]) != (row.context, row.spec)] + [item]
+        out.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"{row.context:>6} {row.label:<22} share {row.share:.3f} mean KL {row.interval('mean_kl').text()} "
+              f"top-1 {row.interval('top1').text()} {row.seconds:.1f} s", flush=True)
+
+    specs = [s for s in args.schemes.split(",") if s]
+    banded_fidelity(model, tokenizer, name, specs, [int(c) for c in args.contexts.split(",")], args.decode,
+                    args.count, on_row=keep)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Noise bands: a measured value with its 95% interval, and the one function that says which of two is better.
+
+Fidelity is measured on several passages, and a passage is the unit of noise: the interval of a statistic is
+a percentile bootstrap over passages (resample the passages with replacement, recompute the statistic,
+take the 2.5th and 97.5th percentiles of 10,000 draws, seeded so a result file reads the same every time).
+Counts (passkey keys found) take the Wilson score interval.
+
+`compare` is how the lab states a winner: only where the two intervals do not overlap; otherwise it says the
+two are indistinguishable at this sample. Overlap is a conservative rule (two intervals can overlap while a
+paired test would separate them), chosen because a learner can check it by eye on every figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .metrics import wilson_interval
+
+CONFIDENCE = 0.95
+DRAWS = 10_000
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An estimate with its 95% interval, the sample size behind it and how the interval was made."""
+
+    estimate: float
+    low: float
+    high: float
+    n: int
+    method: str
+
+    def __post_init__(self) -> None:
+        if not self.low <= self.estimate <= self.high:
+            raise ValueError(f"an interval needs low <= estimate <= high, got {self.low}, {self.estimate}, "
+                             f"{self.high}")
+
+    def overlaps(self, other: Interval) -> bool:
+        return self.low <= other.high and other.low <= self.high
+
+    def text(self, digits: int = 2) -> str:
+        """'0.012 [0.0091, 0.016]': the estimate and its interval, each to `digits` significant digits."""
+        return f"{_g(self.estimate, digits)} [{_g(self.low, digits)}, {_g(self.high, digits)}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Interval:
+        return cls(float(data["estimate"]), float(data["low"]), float(data["high"]), int(data["n"]),
+                   str(data["method"]))
+
+
+def _g(x: float, digits: int) -> str:
+    return f"{x:.{digits}g}"
+
+
+def bootstrap(values: Sequence[float], statistic: Callable[[np.ndarray], float] = np.mean,
+              seed: int = 0) -> Interval:
+    """The statistic of `values` (one per passage) with its 95% percentile-bootstrap interval over them."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1 or x.size < 2:
+        raise ValueError(f"a bootstrap interval needs at least 2 values in a flat list, got shape {x.shape}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("a bootstrap interval needs finite values; got NaN or inf")
+    rng = np.random.default_rng(seed)
+    draws = x[rng.integers(0, x.size, size=(DRAWS, x.size))]
+    stats = np.apply_along_axis(statistic, 1, draws) if statistic not in (np.mean, np.median) else \
+        statistic(draws, axis=1)
+    tail = 100 * (1 - CONFIDENCE) / 2
+    low, high = np.percentile(stats, [tail, 100 - tail])
+    estimate = float(statistic(x))
+    return Interval(estimate, float(min(low, estimate)), float(max(high, estimate)), int(x.size),
+                    f"percentile bootstrap over {x.size} passages, {DRAWS} draws")
+
+
+def wilson(hits: int, trials: int) -> Interval:
+    """A success rate with its Wilson score 95% interval."""
+    low, high = wilson_interval(hits, trials)
+    return Interval(hits / trials, low, high, trials, f"Wilson score over {trials} trials")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two named measurements of one metric, and what may be said of them."""
+
+    a: str
+    b: str
+    metric: str
+    a_value: Interval
+    b_value: Interval
+    lower_is_better: bool = True
+
+    @property
+    def distinguishable(self) -> bool:
+        return not self.a_value.overlaps(self.b_value)
+
+    @property
+    def winner(self) -> str | None:
+        """The better of the two, or None where their intervals overlap."""
+        if not self.distinguishable:
+            return None
+        a_better = (self.a_value.estimate < self.b_value.estimate) == self.lower_is_better
+        return self.a if a_better else self.b
+
+    def sentence(self) -> str:
+        """One sentence a notebook or the CLI may print: a winner only where the intervals do not overlap."""
+        values = f"{self.a_value.text()} against {self.b_value.text()}"
+        n = self.a_value.n if self.a_value.n == self.b_value.n else f"{self.a_value.n}/{self.b_value.n}"
+        if self.winner is None:
+            return (f"{self.a} and {self.b} are indistinguishable at this sample: {self.metric} {values}, "
+                    f"95% intervals over {n} overlap.")
+        winner, loser = (self.a_value, self.b_value) if self.winner == self.a else (self.b_value, self.a_value)
+        other = self.b if self.winner == self.a else self.a
+        word = "lower" if self.lower_is_better else "higher"
+        return (f"{self.winner} has {word} {self.metric} than {other}: {winner.text()} against {loser.text()}, "
+                f"95% intervals over {n} apart.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "metric": self.metric, "a_value": self.a_value.to_dict(),
+                "b_value": self.b_value.to_dict(), "lower_is_better": self.lower_is_better,
+                "winner": self.winner, "sentence": self.sentence()}
+
+
+def compare(a: str, a_value: Interval, b: str, b_value: Interval, metric: str = "mean KL",
+            lower_is_better: bool = True) -> Comparison:
+    """Compare two measurements: the lab's only way to name the better one (None where intervals overlap)."""
+    if not isinstance(a_value, Interval) or not isinstance(b_value, Interval):
+        raise TypeError("compare needs two Interval values (gmlx_lab.measure.intervals.bootstrap or wilson); a bare "
+                        "number carries no noise band")
+    return Comparison(a, b, metric, a_value, b_value, lower_is_better)

@@ -1,0 +1,175 @@
+"""Which scheme when: the committed banded-fidelity results read as a recommendation per memory budget and context.
+
+    results = load_verdict("gemma3-270m")                 # benchmarks/results/verdict-gemma3-270m-cpu.json
+    for rec in recommendations(results, budgets=(0.8, 0.6, 0.4)):
+        print(rec.text())                                 # best, runner-up, and whether the two differ
+
+The best scheme under a budget is the one with the lowest mean KL (its estimate) among the rows whose stored
+bytes are at most that share of fp16's; whether it is really better than the runner-up is `intervals.compare`'s
+to say. The cost in speed comes from the committed whole-model decode files (`decode_speed`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..registry import BASELINE
+from .banded import Row
+from .intervals import Comparison, compare
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "data" / "results"
+BUDGETS = (0.8, 0.6, 0.4)
+METRIC = "mean_kl"
+
+
+@dataclass
+class VerdictResults:
+    """One model's banded-fidelity rows (every scheme, every context) and how they were made."""
+
+    model: str
+    rows: list[Row]
+    runs: list[dict[str, Any]]
+    path: Path | None = None
+
+    @property
+    def contexts(self) -> list[int]:
+        return sorted({r.context for r in self.rows})
+
+    def at(self, context: int) -> list[Row]:
+        """The rows at one context, fp16 first, then by stored bytes."""
+        if context not in self.contexts:
+            raise ValueError(f"{self.model} has no rows at context {context}; it has {self.contexts}")
+        return sorted((r for r in self.rows if r.context == context), key=lambda r: (r.scheme != BASELINE, r.bytes))
+
+    def row(self, context: int, spec: str) -> Row:
+        for r in self.at(context):
+            if spec in (r.spec, r.label):
+                return r
+        raise KeyError(f"{self.model} has no row {spec!r} at context {context}")
+
+    @property
+    def method(self) -> str:
+        return self.runs[-1]["method"] if self.runs else ""
+
+    @property
+    def passages(self) -> int:
+        return len(next(iter(self.rows[0].per_passage.values()))) if self.rows else 0
+
+
+def verdict_path(model: str, machine: str = "cpu") -> Path:
+    return RESULTS_DIR / f"verdict-{model}-{machine}.json"
+
+
+def load_verdict(model: str = "gemma3-270m", machine: str = "cpu") -> VerdictResults:
+    """The committed rows of `benchmarks/verdict.py` for one model and machine."""
+    path = verdict_path(model, machine)
+    if not path.is_file():
+        found = sorted(p.name for p in RESULTS_DIR.glob("verdict-*.json"))
+        raise FileNotFoundError(f"no results file {path.name}; run benchmarks/verdict.py --model {model}. "
+                                f"Committed: {', '.join(found) or 'none'}")
+    data = json.loads(path.read_text())
+    return VerdictResults(data["model"], [Row.from_dict(r) for r in data["rows"]], data.get("runs", []), path)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """Under `budget` (a share of fp16's bytes) at `context`: the best row, the runner-up and their comparison."""
+
+    budget: float
+    context: int
+    best: Row | None
+    runner_up: Row | None
+    floor: float  # the smallest share any measured scheme reaches at this context
+
+    @property
+    def comparison(self) -> Comparison | None:
+        if self.best is None or self.runner_up is None:
+            return None
+        return compare(self.best.label, self.best.interval(METRIC), self.runner_up.label,
+                       self.runner_up.interval(METRIC), "mean KL")
+
+    def cells(self) -> tuple[str, str, str, str]:
+        """(budget, best, runner-up, verdict) as short table cells."""
+        budget = f"{100 * self.budget:.0f}% at {self.context // 1024}K"
+        if self.best is None:
+            return budget, "none fits", "", f"the smallest measured share is {100 * self.floor:.0f}%"
+        best = f"{self.best.label} ({100 * self.best.share:.0f}%)"
+        if self.runner_up is None:
+            return budget, best, "", "the only scheme that fits"
+        runner = f"{self.runner_up.label} ({100 * self.runner_up.share:.0f}%)"
+        return budget, best, runner, "ahead" if self.comparison.distinguishable else "indistinguishable"
+
+    def text(self) -> str:
+        """One sentence: the recommendation, or why there is none."""
+        where = f"Under {100 * self.budget:.0f}% of fp16's bytes at {self.context} tokens"
+        if self.best is None:
+            return f"{where} no measured scheme fits (the smallest share is {100 * self.floor:.0f}%)."
+        if self.runner_up is None:
+            return f"{where} only {self.best.label} fits: mean KL {self.best.interval(METRIC).text()}."
+        return f"{where}: {self.comparison.sentence()}"
+
+
+def recommend(results: VerdictResults, budget: float, context: int) -> Recommendation:
+    """The lowest-mean-KL scheme whose bytes fit the budget at this context, and the next one."""
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget is a share of fp16's bytes in (0, 1], got {budget}")
+    rows = [r for r in results.at(context) if r.scheme != BASELINE]
+    fits = sorted((r for r in rows if r.share <= budget), key=lambda r: r.interval(METRIC).estimate)
+    floor = min(r.share for r in rows) if rows else 1.0
+    return Recommendation(budget, context, fits[0] if fits else None, fits[1] if len(fits) > 1 else None, floor)
+
+
+def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS,
+                    contexts: list[int] | None = None) -> list[Recommendation]:
+    """`recommend` for every budget at every context (the committed ones by default)."""
+    return [recommend(results, b, c) for c in (contexts or results.contexts) for b in budgets]
+
+
+def recommendation_table(recs: list[Recommendation]) -> str:
+    """The recommendations as a plain-text table (what notebook 12 keeps and nbval checks)."""
+    head = ("budget", "lowest mean KL (share)", "runner-up (share)", "95% intervals")
+    cells = [head] + [r.cells() for r in recs]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+# -- the cost in speed ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeedRatio:
+    """A scheme's whole-model decode speed against mlx-lm's fp16 KVCache, over the contexts of one results file."""
+
+    label: str
+    file: str
+    machine: str
+    low: float
+    high: float
+    contexts: tuple[int, ...]
+    tokens: int
+
+    def text(self) -> str:
+        span = f"{self.low:.2f}x" if abs(self.high - self.low) < 0.005 else f"{self.low:.2f}-{self.high:.2f}x"
+        where = ", ".join(f"{c // 1024}K" for c in self.contexts)
+        return (f"{self.label}: {span} fp16's decode speed on the {self.machine} at {where} "
+                f"(median of {self.tokens} timed tokens a row; benchmarks/results/{self.file})")
+
+
+def decode_speed(file: str, labels: tuple[str, ...] = ("fp16", "affine4 g64", "kvarn4 tail=1024",
+                                                       "kvarn6 tail=1024"),
+                 weight_bits: int = 16) -> list[SpeedRatio]:
+    """Each label's median decode speed as a share of mlx-lm KVCache's, from a committed model_decode file."""
+    data = json.loads((RESULTS_DIR / file).read_text())
+    machine = data.get("device", "unknown device")
+    out = []
+    for label in labels:
+        rows = [r for r in data["rows"] if r["label"] == label and r.get("weight_bits", 16) == weight_bits]
+        if not rows:
+            raise ValueError(f"{file} has no row {label!r} with {weight_bits}-bit weights")
+        ratios = [r["decode_median_vs_mlx_lm_fp16"] for r in rows]
+        out.append(SpeedRatio(label, file, machine, min(ratios), max(ratios), tuple(r["context"] for r in rows),
+                              min(r["timed_tokens"] for r in rows)))
+    return out

@@ -1,0 +1,76 @@
+"""Notebook 12's figure: KL with its band against memory share, one frame per context, a slider between them."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from ..measure.banded import Row
+from ..measure.verdict import METRIC, VerdictResults
+from ..registry import BASELINE
+from .style import log_ticks, num, trace_styles
+
+
+def _family(row: Row) -> str:
+    """The line a row belongs to: its scheme and tail without the width ("kvarn4 tail=128" -> "kvarn tail=128")."""
+    if row.scheme == "float":  # mxfp4, nvfp4, mxfp8: one family of microscaling floats
+        return "float (mxfp, nvfp)"
+    head, _, rest = row.label.partition(" ")
+    return f"{head.rstrip('0123456789')} {rest}".strip()
+
+
+def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = (0.8, 0.6, 0.4)) -> go.Figure:
+    """Mean KL(fp16 || scheme) with its 95% band against stored bytes as a share of fp16's; a slider picks the context.
+
+    One line a scheme (and tail), through its widths; fp16 is the dashed line at 100% (its KL is 0); dotted lines
+    mark the budgets of the recommendation table.
+    """
+    contexts = results.contexts
+    families: dict[str, None] = {}
+    for r in results.rows:
+        if r.scheme != BASELINE:
+            families.setdefault(_family(r))
+    styles = trace_styles(families)
+    fig = go.Figure()
+    values: list[float] = []
+    for k, context in enumerate(contexts):
+        rows = [r for r in results.at(context) if r.scheme != BASELINE]
+        for family in families:
+            mine = sorted((r for r in rows if _family(r) == family), key=lambda r: r.share)
+            band = [r.interval(METRIC) for r in mine]
+            values += [b.low for b in band if b.low > 0] + [b.high for b in band]
+            style = styles[family]
+            fig.add_scatter(
+                x=[100 * r.share for r in mine], y=[b.estimate for b in band], name=family, legendgroup=family,
+                mode="lines+markers+text", text=[r.label.split(" ")[0] for r in mine], textposition="top center",
+                textfont={"size": 9, "color": style["color"]},
+                line={"color": style["color"], "dash": style["dash"]},
+                marker={"symbol": style["symbol"], "size": 8, "color": style["color"]},
+                error_y={"type": "data", "symmetric": False, "array": [b.high - b.estimate for b in band],
+                         "arrayminus": [b.estimate - b.low for b in band], "thickness": 1.2, "width": 4},
+                customdata=[[num(b.low), num(b.high), r.quantized_layers] for r, b in zip(mine, band)],
+                hovertemplate="%{text} " + family.split(" ", 1)[-1] + "<br>%{x:.1f}% of fp16's bytes<br>mean KL "
+                              "%{y:.3g} [%{customdata[0]}, %{customdata[1]}]<br>layers quantized %{customdata[2]}"
+                              "<extra></extra>",
+                visible=k == 0, showlegend=True)
+    per = len(families)
+    steps = []
+    for k, context in enumerate(contexts):
+        visible = [k * per <= i < (k + 1) * per for i in range(len(fig.data))]
+        title = (f"{results.model} at {context} tokens: mean KL against memory, 95% intervals over "
+                 f"{results.passages} passages")
+        steps.append({"method": "update", "label": f"{context // 1024}K" if context % 1024 == 0 else str(context),
+                      "args": [{"visible": visible}, {"title.text": title}]})
+    fig.add_vline(x=100, line={"color": "#444444", "dash": "dash"}, annotation_text="fp16 (KL 0)",
+                  annotation_position="bottom left")
+    for b in budgets:
+        fig.add_vline(x=100 * b, line={"color": "#999999", "dash": "dot", "width": 1},
+                      annotation_text=f"budget {100 * b:.0f}%", annotation_position="top left",
+                      annotation_font_size=9)
+    fig.update_layout(
+        title=steps[0]["args"][1]["title.text"], height=560, margin={"t": 70, "b": 110},
+        xaxis={"title": "stored bytes, % of fp16's at that context (layers kept fp16 included)",
+               "range": [0, 105]},
+        yaxis={"title": "mean KL(fp16 || scheme), nats (log)", "type": "log", **log_ticks(values)},
+        sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "context: "}, "pad": {"t": 40}}],
+        legend={"font": {"size": 11}})
+    return fig

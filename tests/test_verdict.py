@@ -1,0 +1,224 @@
+"""Noise bands and verdicts: intervals, the comparison that names a winner, passages, banded fidelity, notebook 12."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import nbformat
+import numpy as np
+import pytest
+
+from gmlx_lab.measure import passages
+from gmlx_lab.measure.banded import VERDICT_SPECS, Row, banded_fidelity, split_head
+from gmlx_lab.measure.intervals import Interval, bootstrap, compare, wilson
+from gmlx_lab.measure.verdict import (
+    VerdictResults,
+    decode_speed,
+    load_verdict,
+    recommend,
+    recommendation_table,
+    recommendations,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+# -- intervals and the comparison ---------------------------------------------------------------------------
+
+
+def test_bootstrap_brackets_the_mean_and_narrows_with_more_passages() -> None:
+    rng = np.random.default_rng(1)
+    few, many = rng.normal(1.0, 0.2, 8), rng.normal(1.0, 0.2, 64)
+    a, b = bootstrap(few), bootstrap(many)
+    assert a.low < few.mean() < a.high and a.n == 8 and "bootstrap" in a.method
+    assert b.high - b.low < a.high - a.low
+    assert bootstrap(few) == a  # seeded: a result file reads the same every time
+
+
+def test_bootstrap_refuses_what_has_no_band() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        bootstrap([0.1])
+    with pytest.raises(ValueError, match="finite"):
+        bootstrap([0.1, float("nan")])
+
+
+def test_interval_must_hold_its_estimate() -> None:
+    with pytest.raises(ValueError, match="low <= estimate <= high"):
+        Interval(2.0, 0.0, 1.0, 8, "t")
+
+
+def test_compare_names_a_winner_only_where_intervals_are_apart() -> None:
+    apart = compare("A", Interval(0.01, 0.008, 0.012, 8, "b"), "B", Interval(0.05, 0.04, 0.06, 8, "b"))
+    assert apart.winner == "A" and apart.distinguishable
+    assert apart.sentence().startswith("A has lower mean KL than B: 0.01 [0.008, 0.012] against 0.05")
+    close = compare("A", Interval(0.01, 0.008, 0.03, 8, "b"), "B", Interval(0.02, 0.015, 0.04, 8, "b"))
+    assert close.winner is None and "indistinguishable at this sample" in close.sentence()
+    higher = compare("A", Interval(0.9, 0.85, 0.95, 8, "b"), "B", Interval(0.5, 0.4, 0.6, 8, "b"), "top-1",
+                     lower_is_better=False)
+    assert higher.winner == "A" and "higher top-1" in higher.sentence()
+    with pytest.raises(TypeError, match="noise band"):
+        compare("A", 0.1, "B", Interval(0.2, 0.1, 0.3, 8, "b"))
+
+
+def test_wilson_counts() -> None:
+    w = wilson(24, 24)
+    assert w.estimate == 1.0 and w.low < 1.0 and w.high == 1.0 and "Wilson" in w.method
+
+
+# -- passages --------------------------------------------------------------------------------------------------
+
+
+class _Chars:
+    """A tokenizer of characters (BOS 0 first), enough to cut windows."""
+
+    bos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [0] + [ord(c) % 250 + 1 for c in text]
+
+
+def test_passages_ship_and_windows_keep_to_held_out_text() -> None:
+    for p in passages.PASSAGES:
+        assert p.path.is_file() and len(p.text()) > 40_000, p.name
+    w = passages.windows("teaching-llama", _Chars(), 5000, count=8)
+    assert [x.passage for x in w] == ["macbeth"] * 4 + ["julius_caesar"] * 4  # its held-out plays only
+    assert all(len(x.tokens) == 5000 and x.tokens[0] == 0 for x in w)
+    assert w[1].start == 4999 and w[1].tokens[1:] == _Chars().encode(passages.PASSAGES[0].text())[5000:9999]
+    other = passages.windows("gemma3-270m", _Chars(), 100, count=8)
+    assert len({x.passage for x in other}) == 8
+    with pytest.raises(ValueError, match="multiple of 2"):
+        passages.windows("teaching-llama", _Chars(), 100, count=3)
+    with pytest.raises(ValueError, match="need"):
+        passages.windows("gemma3-270m", _Chars(), 60_000, count=8)
+
+
+# -- banded fidelity -------------------------------------------------------------------------------------------
+
+
+def test_split_head_gives_the_models_logits(model) -> None:
+    body, head = split_head(model)
+    x = mx.array([[1, 2, 3, 4]])
+    assert mx.allclose(head(body(x)), model(x), atol=1e-4).item()
+
+
+def test_banded_fidelity_rows_on_a_tiny_model(model) -> None:
+    rows = banded_fidelity(model, _Chars(), "tiny", ["affine4", "affine8"], contexts=(40, 24), decode=6, count=8)
+    assert [(r.context, r.spec) for r in rows] == [(24, "fp16"), (24, "affine4"), (24, "affine8"),
+                                                    (40, "fp16"), (40, "affine4"), (40, "affine8")]
+    fp16 = rows[0]
+    assert fp16.per_passage["mean_kl"] == [0.0] * 8 and fp16.per_passage["top1"] == [1.0] * 8
+    a4, a8 = rows[1], rows[2]
+    assert all(len(v) == 8 for v in a4.per_passage.values())
+    assert a4.interval("mean_kl").estimate > a8.interval("mean_kl").estimate > 0
+    assert a4.share < a8.share < 1
+    again = Row.from_dict(json.loads(json.dumps(a4.to_dict())))
+    assert again.interval("mean_kl") == a4.interval("mean_kl") and again.share == a4.share
+
+
+def test_banded_kl_matches_the_direct_formula(model) -> None:
+    """The KL of banded_fidelity (p . (z_ref - z) + lse(z) - lse(z_ref)) equals sum p (log p - log q) computed plainly."""
+    from gmlx_lab.measure import banded
+
+    rng = np.random.default_rng(0)
+    z_ref = rng.normal(0, 3, (2, 5, 50)).astype(np.float32)
+    z = z_ref + rng.normal(0, 0.1, z_ref.shape).astype(np.float32)
+    ref = banded._Reference(mx.array(z_ref))
+    got = ref.metrics(mx.array(z), mx.zeros((2, 5), dtype=mx.int32))["mean_kl"]
+    lp = z_ref - np.log(np.exp(z_ref).sum(-1, keepdims=True))
+    lq = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    want = (np.exp(lp) * (lp - lq)).sum(-1).mean(-1)
+    assert np.allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_banded_fidelity_checks_its_input(model) -> None:
+    with pytest.raises(ValueError, match="contexts"):
+        banded_fidelity(model, _Chars(), "tiny", ["affine4"], contexts=(), decode=4)
+    with pytest.raises(ValueError, match="unknown scheme|not a registered|accepted"):
+        banded_fidelity(model, _Chars(), "tiny", ["nosuch4"], contexts=(16,), decode=4)
+
+
+def test_verdict_specs_cover_every_builtin_at_its_widths() -> None:
+    from gmlx_lab.specs import read_scheme_spec
+
+    read = [read_scheme_spec(s) for s in VERDICT_SPECS]
+    schemes = {name for name, _ in read}
+    assert schemes == {"affine", "affine_rot", "kvarn", "turboquant", "float", "kivi"}
+    for name in schemes - {"float"}:
+        assert sorted(o.get("bits") for n, o in read if n == name and o.get("kv_tail_tokens") in (None, 1024)) == [
+            2, 3, 4, 8], name
+
+
+# -- recommendations -------------------------------------------------------------------------------------------
+
+
+def _row(spec: str, share: float, kl: list[float], scheme: str = "x") -> Row:
+    n = len(kl)
+    return Row(spec, spec, scheme, 1024, "3/18", share * 100, 100.0,
+               {"mean_kl": kl, "median_kl": kl, "top1": [0.9] * n, "nll": [3.0] * n})
+
+
+def test_recommend_picks_the_lowest_kl_that_fits_and_compares_it() -> None:
+    rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("a8", 0.9, [1e-4] * 4 + [2e-4] * 4),
+            _row("a4", 0.55, [0.01] * 4 + [0.02] * 4), _row("k4", 0.5, [0.002] * 4 + [0.003] * 4),
+            _row("k3", 0.45, [0.0025] * 4 + [0.0035] * 4)]
+    results = VerdictResults("m", rows, [])
+    rec = recommend(results, 0.6, 1024)
+    assert rec.best.spec == "k4" and rec.runner_up.spec == "k3"
+    assert rec.comparison.winner is None and "indistinguishable" in rec.text()
+    assert recommend(results, 0.5, 1024).runner_up.spec == "k3"
+    none = recommend(results, 0.4, 1024)
+    assert none.best is None and "no measured scheme fits" in none.text() and "45%" in none.text()
+    table = recommendation_table(recommendations(results, (0.95, 0.6), [1024]))
+    assert table.splitlines()[1].split()[:4] == ["95%", "at", "1K", "a8"]
+    with pytest.raises(ValueError, match="share of fp16"):
+        recommend(results, 1.5, 1024)
+
+
+def test_committed_verdict_loads_with_intervals() -> None:
+    results = load_verdict("gemma3-270m")
+    assert results.passages >= 8 and len(results.contexts) >= 3
+    assert all(r.context + 256 <= 32768 for r in results.rows)  # inside Gemma 3 270M's trained context
+    for r in results.at(results.contexts[-1]):
+        band = r.interval("mean_kl")
+        assert band.low <= band.estimate <= band.high
+    with pytest.raises(FileNotFoundError, match="benchmarks/verdict.py"):
+        load_verdict("no-such-model")
+
+
+def test_decode_speed_reads_the_committed_ratios() -> None:
+    h200 = {s.label: s for s in decode_speed("model_decode-h200.json")}
+    assert h200["kvarn4 tail=1024"].high < 1 and h200["affine4 g64"].high < 1  # quantized decode is slower today
+    assert "model_decode-h200.json" in h200["fp16"].text()
+    with pytest.raises(ValueError, match="no row"):
+        decode_speed("model_decode-h200.json", ("nosuch",))
+
+
+# -- notebooks state a winner only through compare --------------------------------------------------------------
+
+WINNER = re.compile(r"\b(wins?|won|winning|winners?|beats?|beaten|loses|outperforms?|better than|worse than|"
+                    r"more sensitive|less sensitive)\b", re.IGNORECASE)
+_CODE_SPAN = re.compile(r"`[^`]*`")
+
+
+def _texts(cell: nbformat.NotebookNode) -> list[str]:
+    """The prose a cell can show: a Markdown cell's text, or the string literals of a code cell."""
+    if cell.cell_type == "markdown":
+        return [_CODE_SPAN.sub("", cell.source)]
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError:
+        return []
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_names_no_winner_by_itself(path: Path) -> None:
+    """A winner is named only by `intervals.compare` (which checks the intervals); no notebook text does it."""
+    nb = nbformat.read(path, as_version=4)
+    found = [f"cell {i}: ...{text[max(0, m.start() - 50):m.end() + 30]}..." for i, cell in enumerate(nb.cells)
+             for text in _texts(cell) for m in WINNER.finditer(text)]
+    assert not found, "state a winner through gmlx_lab.measure.intervals.compare:\n" + "\n".join(found)
