@@ -369,6 +369,26 @@ def cmd_schemes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verdict(args: argparse.Namespace) -> int:
+    """Which scheme when: the committed banded-fidelity results as recommendations per budget and context."""
+    from .measure import verdict
+
+    try:
+        budgets = tuple(float(b) for b in args.budgets.split(","))
+    except ValueError:
+        raise ValueError(f"--budgets takes shares of fp16's bytes like 0.8,0.6,0.4, got {args.budgets!r}") from None
+    results = verdict.load_verdict(args.model, args.machine)
+    recs = verdict.recommendations(results, budgets)
+    if args.json:
+        print(json.dumps([{"budget": r.budget, "context": r.context, "text": r.text(),
+                           "best": r.best and r.best.spec, "runner_up": r.runner_up and r.runner_up.spec,
+                           "comparison": r.comparison and r.comparison.to_dict()} for r in recs], indent=1))
+        return 0
+    print(verdict.recommendation_table(recs))
+    print(f"\n{results.model}, {results.passages} passages; {results.method}\nfrom {results.path}")
+    return 0
+
+
 # -- parser -----------------------------------------------------------------------------------------
 
 
@@ -501,6 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schemes", help="the scheme registry: options, defaults, accepted values")
     p.set_defaults(run=cmd_schemes)
+
+    p = sub.add_parser("verdict", help="which scheme when: the best scheme per memory budget and context")
+    p.add_argument("--model", default="gemma3-270m", help="a model with committed results (benchmarks/verdict.py)")
+    p.add_argument("--machine", default="cpu", help="the machine tag in the results file's name")
+    p.add_argument("--budgets", default="0.9,0.8,0.7,0.6", help="shares of fp16's bytes, comma-separated")
+    p.add_argument("--json", action="store_true", help="the recommendations as JSON")
+    p.set_defaults(run=cmd_verdict)
 
     p = sub.add_parser("lab", help="start JupyterLab on the notebooks/ folder")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab")

@@ -120,13 +120,13 @@ def test_banded_fidelity_rows_on_a_tiny_model(model) -> None:
 
 
 def test_banded_kl_matches_the_direct_formula(model) -> None:
-    """The KL of banded_fidelity (p . (z_ref - z) + lse(z) - lse(z_ref)) equals sum p (log p - log q) computed plainly."""
+    """banded_fidelity's KL, p . (z_ref - z) + lse(z) - lse(z_ref), equals sum p (log p - log q) computed plainly."""
     from gmlx_lab.measure import banded
 
     rng = np.random.default_rng(0)
     z_ref = rng.normal(0, 3, (2, 5, 50)).astype(np.float32)
     z = z_ref + rng.normal(0, 0.1, z_ref.shape).astype(np.float32)
-    ref = banded._Reference(mx.array(z_ref))
+    ref = banded.Reference(mx.array(z_ref))
     got = ref.metrics(mx.array(z), mx.zeros((2, 5), dtype=mx.int32))["mean_kl"]
     lp = z_ref - np.log(np.exp(z_ref).sum(-1, keepdims=True))
     lq = z - np.log(np.exp(z).sum(-1, keepdims=True))
@@ -222,3 +222,16 @@ def test_notebook_names_no_winner_by_itself(path: Path) -> None:
     found = [f"cell {i}: ...{text[max(0, m.start() - 50):m.end() + 30]}..." for i, cell in enumerate(nb.cells)
              for text in _texts(cell) for m in WINNER.finditer(text)]
     assert not found, "state a winner through gmlx_lab.measure.intervals.compare:\n" + "\n".join(found)
+
+
+def test_cli_verdict_prints_the_table_and_refuses_bad_budgets(capsys: pytest.CaptureFixture) -> None:
+    from gmlx_lab import cli
+
+    assert cli.main(["verdict", "--budgets", "0.9,0.6"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:2] == ["budget", "lowest"] and "passages" in out
+    assert cli.main(["verdict", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["budget"] == 0.9
+    assert cli.main(["verdict", "--budgets", "most"]) == 2
+    assert "--budgets takes shares" in capsys.readouterr().err
+    assert cli.main(["verdict", "--model", "nosuch"]) == 1

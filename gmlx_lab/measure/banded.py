@@ -139,7 +139,7 @@ class Row:
                    {k: [float(v) for v in vs] for k, vs in data["per_passage"].items()}, float(data.get("seconds", 0)))
 
 
-class _Reference:
+class Reference:
     """The fp16 decode window of each passage, kept as what every scheme's KL needs: logits, p, log-normalizer."""
 
     def __init__(self, logits: mx.array):
@@ -196,7 +196,7 @@ def banded_fidelity(model: nn.Module, tokenizer: Any, model_name: str, schemes: 
         runner.prefill(tokens[:, done:context], ref_cache)
         snapshot = copy.deepcopy(ref_cache)
         window, targets = tokens[:, context:context + decode], tokens[:, context + 1:context + decode + 1]
-        ref = _Reference(runner.decode(window, ref_cache))
+        ref = Reference(runner.decode(window, ref_cache))
         done = context + decode
         fp16_bytes = policy_bytes(reference, context, shapes)
         found = [("fp16", reference)] + [(s, p) for s, p in chosen if p.scheme != BASELINE]

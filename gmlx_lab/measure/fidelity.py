@@ -43,6 +43,10 @@ def _fmt_kl(x: float) -> str:
     return f"{x:.5f}" if x >= 1e-4 or x == 0 else f"{x:.1e}"
 
 
+PPL_NOTE = ("perplexity is measured against the text and KL against fp16: on one text a quantized cache can score "
+            "a lower perplexity than fp16 by chance, so KL is the fidelity measure")
+
+
 @dataclass
 class SchemeFidelity:
     """One scheme against the fp16 reference: KL per position, top-1 agreement, perplexity, its audit."""
@@ -140,7 +144,8 @@ class FidelityResult:
                         f"| {_fmt_kl(s.prefill_median_kl)} | {_fmt_kl(s.decode_median_kl)} "
                         f"| {_fmt_kl(s.decode_p99_kl)} | {100 * s.top1:.1f}% | {s.perplexity:.3f} |")
         note = (f"\n\n{self.model}: prefill {self.prefill} tokens (step {self.prefill_step}), decode {self.decode} "
-                f"tokens one at a time; KL(fp16 || scheme) in nats; fp16 decode ppl {self.reference_perplexity:.3f}")
+                f"tokens one at a time; KL(fp16 || scheme) in nats; fp16 decode ppl {self.reference_perplexity:.3f}; "
+                f"{PPL_NOTE}")
         return "\n".join(rows) + note
 
     def _repr_markdown_(self) -> str:
@@ -157,7 +162,7 @@ class FidelityResult:
             for s in self.schemes)
         head = "".join(f"<th>{c}</th>" for c in cols)
         caption = (f"{self.model}: prefill {self.prefill}, decode {self.decode} one token at a time; "
-                   f"KL(fp16 || scheme) in nats")
+                   f"KL(fp16 || scheme) in nats; {PPL_NOTE}")
         return f"<table><caption>{caption}</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
     def figure_kl(self, log: bool = True) -> Any:

@@ -1,7 +1,7 @@
 """Which scheme when: the committed banded-fidelity results read as a recommendation per memory budget and context.
 
     results = load_verdict("gemma3-270m")                 # benchmarks/results/verdict-gemma3-270m-cpu.json
-    for rec in recommendations(results, budgets=(0.8, 0.6, 0.4)):
+    for rec in recommendations(results):
         print(rec.text())                                 # best, runner-up, and whether the two differ
 
 The best scheme under a budget is the one with the lowest mean KL (its estimate) among the rows whose stored
@@ -21,7 +21,7 @@ from .banded import Row
 from .intervals import Comparison, compare
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "data" / "results"
-BUDGETS = (0.8, 0.6, 0.4)
+BUDGETS = (0.9, 0.8, 0.7, 0.6)
 METRIC = "mean_kl"
 
 

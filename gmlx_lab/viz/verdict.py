@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..measure.banded import Row
-from ..measure.verdict import METRIC, VerdictResults
+from ..measure.verdict import BUDGETS, METRIC, VerdictResults
 from ..registry import BASELINE
 from .style import log_ticks, num, trace_styles
 
@@ -18,7 +18,7 @@ def _family(row: Row) -> str:
     return f"{head.rstrip('0123456789')} {rest}".strip()
 
 
-def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = (0.8, 0.6, 0.4)) -> go.Figure:
+def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS) -> go.Figure:
     """Mean KL(fp16 || scheme) with its 95% band against stored bytes as a share of fp16's; a slider picks the context.
 
     One line a scheme (and tail), through its widths; fp16 is the dashed line at 100% (its KL is 0); dotted lines
