@@ -39,6 +39,7 @@ from conftest import occurrences
 from plotly.offline import get_plotlyjs
 
 from gmlx_lab import book
+from gmlx_lab.measure.intervals import WINNER_WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -341,6 +342,9 @@ def test_notebook_runs_in_jupyterlab(browser: Browser, lab: Lab, path: Path) -> 
               for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: error outputs (cell, name, value): {errors}"
     code = [c for c in nb.cells if c.cell_type == "code"]
+    said = [(i, m.group(0)) for i, c in enumerate(code) for o in c.outputs for text in _output_texts(o)
+            for m in WINNER_WORDS.finditer(text)]
+    assert not said, f"{path.name}: outputs name a winner outside intervals.compare (code cell, words): {said}"
     assert [c.execution_count for c in code] == list(range(1, len(code) + 1))  # every cell ran, in order
     assert nb.metadata.get("widgets") or not any("widget-view" in str(c.outputs) for c in code), "no widget state"
     size = saved.stat().st_size
@@ -352,6 +356,14 @@ def test_notebook_runs_in_jupyterlab(browser: Browser, lab: Lab, path: Path) -> 
     print(f"\n[browser] {path.name}: {time.monotonic() - start:.0f} s ({phases}), saved {size / 1e6:.2f} MB "
           f"(plotly.js {copies}x), "
           f"{len(shots)} screenshots in {shots[0].parent.relative_to(ROOT)}")
+
+
+def _output_texts(output: dict) -> list[str]:
+    """The prose an output shows: streamed text, Markdown and plain text (figures and HTML tables left out)."""
+    if output.get("output_type") == "stream":
+        return [output.get("text", "")]
+    data = output.get("data", {})
+    return [str(data[k]) for k in ("text/markdown", "text/plain") if k in data and "text/html" not in data]
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):

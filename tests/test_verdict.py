@@ -14,7 +14,7 @@ import pytest
 
 from gmlx_lab.measure import passages
 from gmlx_lab.measure.banded import VERDICT_SPECS, Row, banded_fidelity, split_head
-from gmlx_lab.measure.intervals import Interval, bootstrap, compare, wilson
+from gmlx_lab.measure.intervals import WINNER_WORDS, Interval, bootstrap, compare, wilson
 from gmlx_lab.measure.verdict import (
     VerdictResults,
     decode_speed,
@@ -199,8 +199,6 @@ def test_decode_speed_reads_the_committed_ratios() -> None:
 
 # -- notebooks state a winner only through compare --------------------------------------------------------------
 
-WINNER = re.compile(r"\b(wins?|won|winning|winners?|beats?|beaten|loses|outperforms?|better than|worse than|"
-                    r"more sensitive|less sensitive)\b", re.IGNORECASE)
 _CODE_SPAN = re.compile(r"`[^`]*`")
 
 
@@ -220,7 +218,7 @@ def test_notebook_names_no_winner_by_itself(path: Path) -> None:
     """A winner is named only by `intervals.compare` (which checks the intervals); no notebook text does it."""
     nb = nbformat.read(path, as_version=4)
     found = [f"cell {i}: ...{text[max(0, m.start() - 50):m.end() + 30]}..." for i, cell in enumerate(nb.cells)
-             for text in _texts(cell) for m in WINNER.finditer(text)]
+             for text in _texts(cell) for m in WINNER_WORDS.finditer(text)]
     assert not found, "state a winner through gmlx_lab.measure.intervals.compare:\n" + "\n".join(found)
 
 

@@ -12,6 +12,7 @@ paired test would separate them), chosen because a learner can check it by eye o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -22,6 +23,11 @@ from .metrics import wilson_interval
 
 CONFIDENCE = 0.95
 DRAWS = 10_000
+
+# Words that name a winner outright. No notebook text or output uses them: a winner is named by `compare`'s
+# sentence, which does so only where the intervals are apart (tests/test_verdict.py, tests/test_browser.py).
+WINNER_WORDS = re.compile(r"\b(wins?|won|winning|winners?|beats?|beaten|loses|outperforms?|better than|worse than|"
+                          r"more sensitive|less sensitive)\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
