@@ -137,6 +137,8 @@ def test_banded_kl_matches_the_direct_formula(model) -> None:
 def test_banded_fidelity_checks_its_input(model) -> None:
     with pytest.raises(ValueError, match="contexts"):
         banded_fidelity(model, _Chars(), "tiny", ["affine4"], contexts=(), decode=4)
+    with pytest.raises(ValueError, match="apart"):
+        banded_fidelity(model, _Chars(), "tiny", ["affine4"], contexts=(16, 18), decode=4)
     with pytest.raises(ValueError, match="unknown scheme|not a registered|accepted"):
         banded_fidelity(model, _Chars(), "tiny", ["nosuch4"], contexts=(16,), decode=4)
 
