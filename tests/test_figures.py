@@ -26,6 +26,7 @@ from conftest import random_kv
 import gmlx_lab
 from gmlx_lab import viz
 from gmlx_lab.measure import tradeoff
+from gmlx_lab.measure.verdict import load_verdict
 from gmlx_lab.models import specimen
 
 RESULT = viz.benchmark_results
@@ -140,6 +141,8 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "passkey_heatmaps": lambda: [viz.passkey_heatmaps(_beyond("passkey"))],
     "draft_figure": lambda: [viz.draft_figure(_beyond("draft"))],
     "weights_kv_figure": lambda: [viz.weights_kv_figure(_beyond("weights_kv"))],
+    "verdict_figure": lambda: [viz.verdict_figure(load_verdict("gemma3-270m")),
+                               viz.verdict_figure(load_verdict("teaching-llama"), (0.8, 0.6, 0.4))],
     "weights_kv_positions": lambda: [viz.weights_kv_positions(_beyond("weights_kv"), "8-bit")],
     "tradeoff_figure": lambda: [viz.tradeoff_figure(_tradeoff_points())],
     "idea_figure": lambda: [viz.idea_figure(viz.scheme_idea(_k(), _k()[::-1], spec))

@@ -18,48 +18,60 @@ def _family(row: Row) -> str:
     return f"{head.rstrip('0123456789')} {rest}".strip()
 
 
+def _width(row: Row) -> str:
+    """A point's label beside its marker: the width in bits ("4"), or the format's name for the float family."""
+    head = row.label.split(" ")[0]
+    return head if row.scheme == "float" else head[len(head.rstrip("0123456789")):] + " bits"
+
+
+def _traces(results: VerdictResults, context: int, families: list[str], styles: dict[str, dict[str, str]]
+            ) -> list[go.Scatter]:
+    """One trace a family at one context: its widths by share, mean KL with the interval as error bars (KL 0 left out:
+    a row that stored nothing quantized has no place on a log axis)."""
+    rows = [r for r in results.at(context) if r.scheme != BASELINE and r.interval(METRIC).estimate > 0]
+    traces = []
+    for family in families:
+        mine = sorted((r for r in rows if _family(r) == family), key=lambda r: r.share)
+        band = [r.interval(METRIC) for r in mine]
+        style = styles[family]
+        traces.append(go.Scatter(
+            x=[100 * r.share for r in mine], y=[b.estimate for b in band], name=family, legendgroup=family,
+            mode="lines+markers+text", text=[_width(r) for r in mine], textposition="top center",
+            textfont={"size": 9, "color": style["color"]}, line={"color": style["color"], "dash": style["dash"]},
+            marker={"symbol": style["symbol"], "size": 8, "color": style["color"]},
+            error_y={"type": "data", "symmetric": False, "array": [b.high - b.estimate for b in band],
+                     "arrayminus": [b.estimate - b.low for b in band], "thickness": 1.2, "width": 4},
+            customdata=[[num(b.low), num(b.high), r.quantized_layers] for r, b in zip(mine, band)],
+            hovertemplate=family + ", %{text}<br>%{x:.1f}% of fp16's bytes<br>mean KL %{y:.3g} "
+                          "[%{customdata[0]}, %{customdata[1]}]<br>layers quantized %{customdata[2]}<extra></extra>"))
+    return traces
+
+
 def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS) -> go.Figure:
     """Mean KL(fp16 || scheme) with its 95% band against stored bytes as a share of fp16's; a slider picks the context.
 
     One line a scheme (and tail), through its widths; fp16 is the dashed line at 100% (its KL is 0); dotted lines
-    mark the budgets of the recommendation table.
+    mark the budgets of the recommendation table. Each context is a frame, so the figure moves without a kernel.
     """
     contexts = results.contexts
-    families: dict[str, None] = {}
-    for r in results.rows:
-        if r.scheme != BASELINE:
-            families.setdefault(_family(r))
+    families = list(dict.fromkeys(_family(r) for r in results.rows if r.scheme != BASELINE))
     styles = trace_styles(families)
-    fig = go.Figure()
-    values: list[float] = []
-    for k, context in enumerate(contexts):
-        rows = [r for r in results.at(context) if r.scheme != BASELINE]
-        for family in families:
-            mine = sorted((r for r in rows if _family(r) == family), key=lambda r: r.share)
-            band = [r.interval(METRIC) for r in mine]
-            values += [b.low for b in band if b.low > 0] + [b.high for b in band]
-            style = styles[family]
-            fig.add_scatter(
-                x=[100 * r.share for r in mine], y=[b.estimate for b in band], name=family, legendgroup=family,
-                mode="lines+markers+text", text=[r.label.split(" ")[0] for r in mine], textposition="top center",
-                textfont={"size": 9, "color": style["color"]},
-                line={"color": style["color"], "dash": style["dash"]},
-                marker={"symbol": style["symbol"], "size": 8, "color": style["color"]},
-                error_y={"type": "data", "symmetric": False, "array": [b.high - b.estimate for b in band],
-                         "arrayminus": [b.estimate - b.low for b in band], "thickness": 1.2, "width": 4},
-                customdata=[[num(b.low), num(b.high), r.quantized_layers] for r, b in zip(mine, band)],
-                hovertemplate="%{text} " + family.split(" ", 1)[-1] + "<br>%{x:.1f}% of fp16's bytes<br>mean KL "
-                              "%{y:.3g} [%{customdata[0]}, %{customdata[1]}]<br>layers quantized %{customdata[2]}"
-                              "<extra></extra>",
-                visible=k == 0, showlegend=True)
-    per = len(families)
-    steps = []
-    for k, context in enumerate(contexts):
-        visible = [k * per <= i < (k + 1) * per for i in range(len(fig.data))]
-        title = (f"{results.model} at {context} tokens: mean KL against memory, 95% intervals over "
-                 f"{results.passages} passages")
-        steps.append({"method": "update", "label": f"{context // 1024}K" if context % 1024 == 0 else str(context),
-                      "args": [{"visible": visible}, {"title.text": title}]})
+    values = [v for r in results.rows if r.scheme != BASELINE
+              for v in (r.interval(METRIC).low, r.interval(METRIC).high) if v > 0]
+
+    def title(context: int) -> str:
+        return (f"{results.model} at {context} tokens: mean KL against memory, 95% intervals over "
+                f"{results.passages} passages")
+
+    def label(context: int) -> str:
+        return f"{context // 1024}K" if context % 1024 == 0 else str(context)
+
+    fig = go.Figure(data=_traces(results, contexts[0], families, styles),
+                    frames=[go.Frame(data=_traces(results, c, families, styles), name=label(c),
+                                     layout={"title": {"text": title(c)}}) for c in contexts])
+    steps = [{"method": "animate", "label": label(c),
+              "args": [[label(c)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
+                                    "transition": {"duration": 0}}]} for c in contexts]
     fig.add_vline(x=100, line={"color": "#444444", "dash": "dash"}, annotation_text="fp16 (KL 0)",
                   annotation_position="bottom left")
     for b in budgets:
@@ -67,9 +79,8 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
                       annotation_text=f"budget {100 * b:.0f}%", annotation_position="top left",
                       annotation_font_size=9)
     fig.update_layout(
-        title=steps[0]["args"][1]["title.text"], height=560, margin={"t": 70, "b": 110},
-        xaxis={"title": "stored bytes, % of fp16's at that context (layers kept fp16 included)",
-               "range": [0, 105]},
+        title=title(contexts[0]), height=560, margin={"t": 70, "b": 110},
+        xaxis={"title": "stored bytes, % of fp16's at that context (layers kept fp16 included)", "range": [0, 105]},
         yaxis={"title": "mean KL(fp16 || scheme), nats (log)", "type": "log", **log_ticks(values)},
         sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "context: "}, "pad": {"t": 40}}],
         legend={"font": {"size": 11}})
