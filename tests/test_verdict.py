@@ -178,6 +178,11 @@ def test_recommend_picks_the_lowest_kl_that_fits_and_compares_it() -> None:
     assert table.splitlines()[1].split()[:4] == ["95%", "at", "1K", "a8"]
     with pytest.raises(ValueError, match="share of fp16"):
         recommend(results, 1.5, 1024)
+    partial = VerdictResults("m", rows + [_row("a4", 0.5, [0.01] * 8)], [])
+    partial.rows[-1].context = 4096  # a run stopped after one scheme at 4096
+    assert partial.contexts == [1024] and partial.incomplete == [4096]
+    with pytest.raises(ValueError, match="no rows at context 4096"):
+        partial.at(4096)
 
 
 def test_committed_verdict_loads_with_intervals() -> None:

@@ -36,7 +36,15 @@ class VerdictResults:
 
     @property
     def contexts(self) -> list[int]:
-        return sorted({r.context for r in self.rows})
+        """The contexts at which every measured scheme has a row (a run stopped midway leaves one incomplete)."""
+        specs = {r.spec for r in self.rows}
+        found = {c: {r.spec for r in self.rows if r.context == c} for c in {r.context for r in self.rows}}
+        return sorted(c for c, have in found.items() if have == specs)
+
+    @property
+    def incomplete(self) -> list[int]:
+        """Contexts some scheme has no row at: left out of every figure and recommendation."""
+        return sorted({r.context for r in self.rows} - set(self.contexts))
 
     def at(self, context: int) -> list[Row]:
         """The rows at one context, fp16 first, then by stored bytes."""
