@@ -158,12 +158,14 @@ class SpeedRatio:
     high: float
     contexts: tuple[int, ...]
     tokens: int
+    commit: str
 
     def text(self) -> str:
         span = f"{self.low:.2f}x" if abs(self.high - self.low) < 0.005 else f"{self.low:.2f}-{self.high:.2f}x"
-        where = ", ".join(f"{c // 1024}K" for c in self.contexts)
-        return (f"{self.label}: {span} fp16's decode speed on the {self.machine} at {where} "
-                f"(median of {self.tokens} timed tokens a row; benchmarks/results/{self.file})")
+        where = ", ".join(f"{c // 1024}K" for c in sorted(set(self.contexts)))
+        name = "gmlx's fp16 cache" if self.label == BASELINE else self.label
+        return (f"{name}: {span} the decode speed of mlx-lm's fp16 KVCache on the {self.machine} at {where} "
+                f"(medians of {self.tokens} timed tokens; benchmarks/results/{self.file}, commit {self.commit})")
 
 
 def decode_speed(file: str, labels: tuple[str, ...] = ("fp16", "affine4 g64", "kvarn4 tail=1024",
@@ -172,6 +174,7 @@ def decode_speed(file: str, labels: tuple[str, ...] = ("fp16", "affine4 g64", "k
     """Each label's median decode speed as a share of mlx-lm KVCache's, from a committed model_decode file."""
     data = json.loads((RESULTS_DIR / file).read_text())
     machine = data.get("device", "unknown device")
+    commit = str(data.get("commit", "unknown"))[:7]
     out = []
     for label in labels:
         rows = [r for r in data["rows"] if r["label"] == label and r.get("weight_bits", 16) == weight_bits]
@@ -179,5 +182,5 @@ def decode_speed(file: str, labels: tuple[str, ...] = ("fp16", "affine4 g64", "k
             raise ValueError(f"{file} has no row {label!r} with {weight_bits}-bit weights")
         ratios = [r["decode_median_vs_mlx_lm_fp16"] for r in rows]
         out.append(SpeedRatio(label, file, machine, min(ratios), max(ratios), tuple(r["context"] for r in rows),
-                              min(r["timed_tokens"] for r in rows)))
+                              min(r["timed_tokens"] for r in rows), commit))
     return out
