@@ -187,7 +187,7 @@ def test_recommend_picks_the_lowest_kl_that_fits_and_compares_it() -> None:
 
 def test_committed_verdict_loads_with_intervals() -> None:
     results = load_verdict("gemma3-270m")
-    assert results.passages >= 8 and len(results.contexts) >= 3
+    assert results.passages >= 8 and len(results.contexts) >= 2
     assert all(r.context + 256 <= 32768 for r in results.rows)  # inside Gemma 3 270M's trained context
     for r in results.at(results.contexts[-1]):
         band = r.interval("mean_kl")
