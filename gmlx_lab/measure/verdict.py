@@ -58,6 +58,13 @@ class VerdictResults:
                 return r
         raise KeyError(f"{self.model} has no row {spec!r} at context {context}")
 
+    def table(self, context: int) -> list[dict[str, str]]:
+        """Every row at one context with each metric and its interval, as table cells (fp16 first, then by bytes)."""
+        return [{"scheme": r.label, "layers quantized": r.quantized_layers, "% of fp16's bytes": f"{100 * r.share:.1f}",
+                 **{name: r.interval(metric).text() for name, metric in (
+                     ("mean KL", "mean_kl"), ("median KL", "median_kl"), ("top-1", "top1"),
+                     ("perplexity", "perplexity"))}} for r in self.at(context)]
+
     @property
     def method(self) -> str:
         return self.runs[-1]["method"] if self.runs else ""
