@@ -25,7 +25,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from gmlx_lab.cli import load_model
+from gmlx_lab.cli import load_model, scheme_list
 from gmlx_lab.doctor import machine_tag
 from gmlx_lab.measure.banded import VERDICT_SPECS, Row, banded_fidelity
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row.context:>6} {row.label:<22} share {row.share:.3f} mean KL {row.interval('mean_kl').text()} "
               f"top-1 {row.interval('top1').text()} {row.seconds:.1f} s", flush=True)
 
-    specs = [s for s in args.schemes.split(",") if s]
+    specs = scheme_list(args.schemes)
     banded_fidelity(model, tokenizer, name, specs, [int(c) for c in args.contexts.split(",")], args.decode,
                     args.count, on_row=keep)
     print(f"wrote {out}")
