@@ -62,7 +62,7 @@ def split_head(model: nn.Module) -> tuple[Callable[..., mx.array], Callable[[mx.
 
 
 class _Runner:
-    """Steps a batch of windows through a cache and turns a decode window's outputs into log-probabilities."""
+    """Steps a batch of windows through a cache: prefill without the vocabulary head, decode to logits."""
 
     def __init__(self, model: nn.Module):
         self.model = model
