@@ -74,6 +74,11 @@ class VerdictResults:
         return len(next(iter(self.rows[0].per_passage.values()))) if self.rows else 0
 
 
+def context_label(context: int) -> str:
+    """A context as people say it: 512, 1K, 8K."""
+    return f"{context // 1024}K" if context >= 1024 and context % 1024 == 0 else str(context)
+
+
 def verdict_path(model: str, machine: str = "cpu") -> Path:
     return RESULTS_DIR / f"verdict-{model}-{machine}.json"
 
@@ -108,7 +113,7 @@ class Recommendation:
 
     def cells(self) -> tuple[str, str, str, str]:
         """(budget, best, runner-up, verdict) as short table cells."""
-        budget = f"{100 * self.budget:.0f}% at {self.context // 1024}K"
+        budget = f"{100 * self.budget:.0f}% at {context_label(self.context)}"
         if self.best is None:
             return budget, "none fits", "", f"the smallest measured share is {100 * self.floor:.0f}%"
         best = f"{self.best.label} ({100 * self.best.share:.0f}%)"
@@ -169,7 +174,7 @@ class SpeedRatio:
 
     def text(self) -> str:
         span = f"{self.low:.2f}x" if abs(self.high - self.low) < 0.005 else f"{self.low:.2f}-{self.high:.2f}x"
-        where = ", ".join(f"{c // 1024}K" for c in sorted(set(self.contexts)))
+        where = ", ".join(context_label(c) for c in sorted(set(self.contexts)))
         name = "gmlx's fp16 cache" if self.label == BASELINE else self.label
         return (f"{name}: {span} the decode speed of mlx-lm's fp16 KVCache on the {self.machine} at {where} "
                 f"(medians of {self.tokens} timed tokens; benchmarks/results/{self.file}, commit {self.commit})")

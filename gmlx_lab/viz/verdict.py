@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..measure.banded import Row
-from ..measure.verdict import BUDGETS, METRIC, VerdictResults
+from ..measure.verdict import BUDGETS, METRIC, VerdictResults, context_label
 from ..registry import BASELINE
 from .style import log_ticks, num, trace_styles
 
@@ -63,14 +63,11 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
         return (f"{results.model} at {context} tokens: mean KL against memory, 95% intervals over "
                 f"{results.passages} passages")
 
-    def label(context: int) -> str:
-        return f"{context // 1024}K" if context % 1024 == 0 else str(context)
-
     fig = go.Figure(data=_traces(results, contexts[0], families, styles),
-                    frames=[go.Frame(data=_traces(results, c, families, styles), name=label(c),
+                    frames=[go.Frame(data=_traces(results, c, families, styles), name=context_label(c),
                                      layout={"title": {"text": title(c)}}) for c in contexts])
-    steps = [{"method": "animate", "label": label(c),
-              "args": [[label(c)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
+    steps = [{"method": "animate", "label": context_label(c),
+              "args": [[context_label(c)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
                                     "transition": {"duration": 0}}]} for c in contexts]
     fig.add_vline(x=100, line={"color": "#444444", "dash": "dash"}, annotation_text="fp16 (KL 0)",
                   annotation_position="bottom left")
