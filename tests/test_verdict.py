@@ -240,3 +240,15 @@ def test_cli_verdict_prints_the_table_and_refuses_bad_budgets(capsys: pytest.Cap
     assert cli.main(["verdict", "--budgets", "most"]) == 2
     assert "--budgets takes shares" in capsys.readouterr().err
     assert cli.main(["verdict", "--model", "nosuch"]) == 1
+
+
+def test_readme_and_results_doc_show_the_committed_verdict() -> None:
+    """The verdict tables in README.md and docs/results.md are the committed results', so neither drifts."""
+    from gmlx_lab.measure.verdict import markdown_table
+
+    table = markdown_table(load_verdict("gemma3-270m"))
+    for doc in ("README.md", "docs/results.md"):
+        assert table in (ROOT / doc).read_text(), f"{doc}: paste gmlx_lab.measure.verdict.markdown_table's output"
+    speed = decode_speed("model_decode-h200.json") + decode_speed("model_decode-cpu.json")
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"- {s.text()}" in readme for s in speed), "README: paste each decode_speed(...).text()"

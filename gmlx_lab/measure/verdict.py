@@ -156,6 +156,28 @@ def recommendation_table(recs: list[Recommendation]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
+def markdown_table(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS) -> str:
+    """Budgets down, contexts across: the lowest-KL scheme, its share and interval, and how it stands to the
+    runner-up (the README's and docs/results.md's table, checked against the committed file by the tests)."""
+    lines = ["| budget (of fp16's bytes) | " + " | ".join(f"{context_label(c)} tokens" for c in results.contexts) + " |",
+             "|---|" + "---|" * len(results.contexts)]
+    for budget in budgets:
+        cells = []
+        for context in results.contexts:
+            rec = recommend(results, budget, context)
+            if rec.best is None:
+                cells.append(f"none fits (smallest {100 * rec.floor:.0f}%)")
+                continue
+            cell = f"**{rec.best.label}** {100 * rec.best.share:.0f}%, KL {rec.best.interval(METRIC).text()}"
+            if rec.runner_up is not None:
+                word = "ahead of" if rec.comparison.distinguishable else "indistinguishable from"
+                cell += (f"; {word} {rec.runner_up.label} ({100 * rec.runner_up.share:.0f}%, "
+                         f"{rec.runner_up.interval(METRIC).text()})")
+            cells.append(cell)
+        lines.append(f"| {100 * budget:.0f}% | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # -- the cost in speed ----------------------------------------------------------------------------------------
 
 
