@@ -159,8 +159,8 @@ def recommendation_table(recs: list[Recommendation]) -> str:
 def markdown_table(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS) -> str:
     """Budgets down, contexts across: the lowest-KL scheme, its share and interval, and how it stands to the
     runner-up (the README's and docs/results.md's table, checked against the committed file by the tests)."""
-    lines = ["| budget (of fp16's bytes) | " + " | ".join(f"{context_label(c)} tokens" for c in results.contexts) + " |",
-             "|---|" + "---|" * len(results.contexts)]
+    head = " | ".join(f"{context_label(c)} tokens" for c in results.contexts)
+    lines = [f"| budget (of fp16's bytes) | {head} |", "|---|" + "---|" * len(results.contexts)]
     for budget in budgets:
         cells = []
         for context in results.contexts:
