@@ -193,13 +193,15 @@ class SpeedRatio:
     contexts: tuple[int, ...]
     tokens: int
     commit: str
+    model: str
 
     def text(self) -> str:
         span = f"{self.low:.2f}x" if abs(self.high - self.low) < 0.005 else f"{self.low:.2f}-{self.high:.2f}x"
         where = ", ".join(context_label(c) for c in sorted(set(self.contexts)))
         name = "gmlx's fp16 cache" if self.label == BASELINE else self.label
-        return (f"{name}: {span} the decode speed of mlx-lm's fp16 KVCache on the {self.machine} at {where} "
-                f"(medians of {self.tokens} timed tokens; benchmarks/results/{self.file}, commit {self.commit})")
+        return (f"{name}: {span} the decode speed of mlx-lm's fp16 KVCache, {self.model} on the {self.machine} "
+                f"at {where} (medians of {self.tokens} timed tokens; benchmarks/results/{self.file}, "
+                f"commit {self.commit})")
 
 
 def decode_speed(file: str, labels: tuple[str, ...] = ("fp16", "affine4 g64", "kvarn4 tail=1024",
@@ -216,5 +218,5 @@ def decode_speed(file: str, labels: tuple[str, ...] = ("fp16", "affine4 g64", "k
             raise ValueError(f"{file} has no row {label!r} with {weight_bits}-bit weights")
         ratios = [r["decode_median_vs_mlx_lm_fp16"] for r in rows]
         out.append(SpeedRatio(label, file, machine, min(ratios), max(ratios), tuple(r["context"] for r in rows),
-                              min(r["timed_tokens"] for r in rows), commit))
+                              min(r["timed_tokens"] for r in rows), commit, str(data.get("model", "a model"))))
     return out
