@@ -21,7 +21,7 @@ def _family(row: Row) -> str:
 def _width(row: Row) -> str:
     """A point's label beside its marker: the width in bits ("4"), or the format's name for the float family."""
     head = row.label.split(" ")[0]
-    return head if row.scheme == "float" else head[len(head.rstrip("0123456789")):] + " bits"
+    return head if row.scheme == "float" else head[len(head.rstrip("0123456789")):]
 
 
 def _traces(results: VerdictResults, context: int, families: list[str], styles: dict[str, dict[str, str]]
@@ -42,7 +42,7 @@ def _traces(results: VerdictResults, context: int, families: list[str], styles: 
             error_y={"type": "data", "symmetric": False, "array": [b.high - b.estimate for b in band],
                      "arrayminus": [b.estimate - b.low for b in band], "thickness": 1.2, "width": 4},
             customdata=[[num(b.low), num(b.high), r.quantized_layers] for r, b in zip(mine, band)],
-            hovertemplate=family + ", %{text}<br>%{x:.1f}% of fp16's bytes<br>mean KL %{y:.3g} "
+            hovertemplate=family + ", %{text} bits<br>%{x:.1f}% of fp16's bytes<br>mean KL %{y:.3g} "
                           "[%{customdata[0]}, %{customdata[1]}]<br>layers quantized %{customdata[2]}<extra></extra>"))
     return traces
 
@@ -75,10 +75,12 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
         fig.add_vline(x=100 * b, line={"color": "#999999", "dash": "dot", "width": 1},
                       annotation_text=f"budget {100 * b:.0f}%", annotation_position="top left",
                       annotation_font_size=9)
+    lowest = min([100 * r.share for r in results.rows] + [100 * b for b in budgets])
     fig.update_layout(
         title=title(contexts[0]), height=560, margin={"t": 70, "b": 110},
-        xaxis={"title": "stored bytes, % of fp16's at that context (layers kept fp16 included)", "range": [0, 105]},
+        xaxis={"title": "stored bytes, % of fp16's at that context (layers kept fp16 included)",
+               "range": [5 * (lowest // 5) - 3, 103]},
         yaxis={"title": "mean KL(fp16 || scheme), nats (log)", "type": "log", **log_ticks(values)},
         sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "context: "}, "pad": {"t": 40}}],
-        legend={"font": {"size": 11}})
+        legend={"font": {"size": 11}, "title": {"text": "scheme (labels: bits)"}})
     return fig
