@@ -103,6 +103,10 @@ def pack_bits(codes: mx.array, bits: int) -> mx.array:
 
 def unpack_bits(words: mx.array, bits: int, n: int) -> mx.array:
     """The n codes of width `bits` that `pack_bits` stored in `words`, as uint32 (..., n)."""
+    if 32 % bits == 0:  # whole codes in a word, lowest bits first: one shift and mask per code
+        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+        codes = (mx.expand_dims(words, -1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*words.shape[:-1], -1)[..., :n]
     stream = (mx.expand_dims(words, -1) >> mx.arange(32, dtype=mx.uint32)) & 1
     stream = stream.reshape(*words.shape[:-1], -1)[..., : n * bits].reshape(*words.shape[:-1], n, bits)
     return mx.sum(stream << mx.arange(bits, dtype=mx.uint32), axis=-1).astype(mx.uint32)
