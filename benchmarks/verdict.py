@@ -46,8 +46,9 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
+    """The tree that ran: HEAD's short hash, "-dirty" when files differed from it."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
