@@ -46,10 +46,14 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """The tree that ran: HEAD's short hash, "-dirty" when files differed from it."""
+    """The tree that ran: HEAD's short hash, with "-dirty" where tracked files other than results differed from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results")
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
