@@ -52,7 +52,7 @@ def commit() -> str:
                               check=True).stdout.strip()
 
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)benchmarks/results")
         return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
