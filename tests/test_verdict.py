@@ -164,16 +164,20 @@ def _row(spec: str, share: float, kl: list[float], scheme: str = "x") -> Row:
 
 
 def test_recommend_picks_the_lowest_kl_that_fits_and_compares_it() -> None:
-    rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("a8", 0.9, [1e-4] * 4 + [2e-4] * 4),
-            _row("a4", 0.55, [0.01] * 4 + [0.02] * 4), _row("k4", 0.5, [0.002] * 4 + [0.003] * 4),
-            _row("k3", 0.45, [0.0025] * 4 + [0.0035] * 4)]
+    rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("a8", 0.9, [1e-4] * 4 + [2e-4] * 4, "a"),
+            _row("a4", 0.55, [0.01] * 4 + [0.02] * 4, "a"), _row("k4", 0.5, [0.002] * 4 + [0.003] * 4, "k"),
+            _row("k3", 0.45, [0.0025] * 4 + [0.0035] * 4, "k"), _row("j3", 0.45, [0.0026] * 4 + [0.0036] * 4, "j")]
     results = VerdictResults("m", rows, [])
     rec = recommend(results, 0.6, 1024)
-    assert rec.best.spec == "k4" and rec.runner_up.spec == "k3"
+    assert rec.best.spec == "k4" and rec.runner_up.spec == "j3"  # the runner-up is another scheme's best
     assert rec.comparison.winner is None and "indistinguishable" in rec.text()
-    assert recommend(results, 0.5, 1024).runner_up.spec == "k3"
+    apart = recommend(results, 0.95, 1024)
+    assert (apart.best.spec, apart.runner_up.spec, apart.comparison.winner) == ("a8", "k4", "a8")
+    assert apart.cells()[-1] == "ahead" and apart.text().startswith("Under 95% of fp16's bytes at 1024 tokens: a8 has")
     none = recommend(results, 0.4, 1024)
     assert none.best is None and "no measured scheme fits" in none.text() and "45%" in none.text()
+    alone = recommend(VerdictResults("m", rows[:3], []), 0.95, 1024)
+    assert alone.runner_up is None and "only a8 fits" in alone.text()
     table = recommendation_table(recommendations(results, (0.95, 0.6), [1024]))
     assert table.splitlines()[1].split()[:4] == ["95%", "at", "1K", "a8"]
     with pytest.raises(ValueError, match="share of fp16"):

@@ -96,7 +96,8 @@ def load_verdict(model: str = "gemma3-270m", machine: str = "cpu") -> VerdictRes
 
 @dataclass(frozen=True)
 class Recommendation:
-    """Under `budget` (a share of fp16's bytes) at `context`: the best row, the runner-up and their comparison."""
+    """Under `budget` (a share of fp16's bytes) at `context`: the best row, the best of another scheme (runner-up)
+    and their comparison."""
 
     budget: float
     context: int
@@ -133,13 +134,16 @@ class Recommendation:
 
 
 def recommend(results: VerdictResults, budget: float, context: int) -> Recommendation:
-    """The lowest-mean-KL scheme whose bytes fit the budget at this context, and the next one."""
+    """The lowest-mean-KL row whose bytes fit the budget at this context, and the runner-up: the best row of
+    another scheme (the same scheme at another width or tail answers a different question: which width)."""
     if not 0 < budget <= 1:
         raise ValueError(f"budget is a share of fp16's bytes in (0, 1], got {budget}")
     rows = [r for r in results.at(context) if r.scheme != BASELINE]
     fits = sorted((r for r in rows if r.share <= budget), key=lambda r: r.interval(METRIC).estimate)
     floor = min(r.share for r in rows) if rows else 1.0
-    return Recommendation(budget, context, fits[0] if fits else None, fits[1] if len(fits) > 1 else None, floor)
+    best = fits[0] if fits else None
+    runner_up = next((r for r in fits if best is not None and r.scheme != best.scheme), None)
+    return Recommendation(budget, context, best, runner_up, floor)
 
 
 def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS,
@@ -150,7 +154,7 @@ def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGET
 
 def recommendation_table(recs: list[Recommendation]) -> str:
     """The recommendations as a plain-text table (what notebook 12 keeps and nbval checks)."""
-    head = ("budget", "lowest mean KL (share)", "runner-up (share)", "95% intervals")
+    head = ("budget", "lowest mean KL (share)", "best other scheme (share)", "95% intervals")
     cells = [head] + [r.cells() for r in recs]
     widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
