@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verdict", help="which scheme when: the best scheme per memory budget and context")
     p.add_argument("--model", default="gemma3-270m", help="a model with committed results (benchmarks/verdict.py)")
     p.add_argument("--machine", default="cpu", help="the machine tag in the results file's name")
-    p.add_argument("--budgets", default="0.9,0.8,0.7,0.6", help="shares of fp16's bytes, comma-separated")
+    p.add_argument("--budgets", default="0.95,0.9,0.85,0.8,0.75", help="shares of fp16's bytes, comma-separated")
     p.add_argument("--json", action="store_true", help="the recommendations as JSON")
     p.set_defaults(run=cmd_verdict)
 

@@ -240,7 +240,7 @@ def test_cli_verdict_prints_the_table_and_refuses_bad_budgets(capsys: pytest.Cap
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:2] == ["budget", "lowest"] and "passages" in out
     assert cli.main(["verdict", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["budget"] == 0.9
+    assert json.loads(capsys.readouterr().out)[0]["budget"] == 0.95
     assert cli.main(["verdict", "--budgets", "most"]) == 2
     assert "--budgets takes shares" in capsys.readouterr().err
     assert cli.main(["verdict", "--model", "nosuch"]) == 1

@@ -21,7 +21,7 @@ from .banded import Row
 from .intervals import Comparison, compare
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "data" / "results"
-BUDGETS = (0.9, 0.8, 0.7, 0.6)
+BUDGETS = (0.95, 0.9, 0.85, 0.8, 0.75)
 METRIC = "mean_kl"
 
 
