@@ -62,7 +62,7 @@ class GrowingBuffer:
         of whole growth steps, so the size depends only on the tokens held (a rolling window stays flat).
         The buffer stays row-contiguous, also where one part is left (MLX's concatenate of one array is a
         view): a kernel launch copies an input that is not, at every launch (two copies a kvarn_decode call
-        when 1024 recent tokens were left, seen on the H200 in round 8)."""
+        when a whole number of growth steps is left)."""
         kept = end - (stop - start)
         parts = [self.data[:, :, :start]] if start else []
         parts += [self.data[:, :, stop:end]] if end > stop else []

@@ -32,10 +32,9 @@ DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled
 # through slots in threadgroup memory by asynchronous copies (CUDA's cp.async), NST - 1 chunks ahead, instead of
 # loading each chunk's words just before its tensor-core products; ring_stages says how deep, and where no ring
 # fits it is off. Setting `ring` (config.py): "on", "off", or "auto", the ring from RING_MIN_RECORDS records a
-# head on. On the H200, calls chained as a model's layers run them (round 7, docs/gpu-performance.md): the ring
-# cut 4-6 us of 60-76 at 247 records a head (32K tokens) in five of six comparisons over three leases (1 us in the
-# sixth) and 7-16 us at 1015 (128K); at 119 (16K) it lost 0.8-1.5 us and at 55 (8K) went both ways, so it
-# starts between those.
+# head on. On the H200, with calls chained as a model's layers run them (docs/gpu-performance.md), the ring saves
+# time at 247 records a head (32K tokens) and more at 1015 (128K), and costs a little at 119 (16K): it starts
+# between those.
 RING_MIN_RECORDS = 192
 
 
@@ -202,8 +201,8 @@ def kvarn_units(records: int, recent: int) -> tuple[int, int]:
 
 # fp16 units a warp walks (setting `fp16_per_warp` "one", the default): an fp16 unit (128 tokens of fp16 K and V,
 # 64 KB at head_dim 128) reads 2.5x a 6-bit record's bytes and 3.7x a 4-bit one's, by 4-byte loads; at the
-# records' count a warp (6 at 128K; "as-records", round 5's split) the fp16 split's warps could be a call's last to
-# finish, which a decode step, whose layers wait for each other, pays (docs/gpu-performance.md, round 6).
+# records' count a warp (6 at 128K; the setting "as-records") the fp16 split's warps can be a call's last to
+# finish, which a decode step, whose layers wait for each other, pays (docs/gpu-performance.md).
 FP16_UNITS_PER_WARP = 1
 
 
@@ -249,11 +248,9 @@ class KvarnPlan(NamedTuple):
 def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
     with the setting `merge_in_kernel` (config.py) and the CUDA source, whose fences make one threadgroup's writes
-    visible to the others (Metal's do not). On by default: on the H200 (docs/gpu-performance.md, rounds 5-7) the
-    merged kernel decoded the whole model as fast or faster than split_merge's second launch on a slower host
-    (round 5), slower on a faster one (round 6), and within 2% of it once its merge loaded 16 splits at a time
-    (round 7, model_decode-round7-probes-h200.json); one launch a layer is less host work. model_decode.py's
-    probes `one-launch` / `two-launch`."""
+    visible to the others (Metal's do not). On by default: on the H200 the merged kernel decodes the whole model
+    within 2% of split_merge's second launch (docs/gpu-performance.md, model_decode-round7-probes-h200.json), and
+    one launch a layer is less host work. model_decode.py's probes `one-launch` / `two-launch` compare the two."""
     return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 
