@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -109,6 +109,7 @@ class Row:
     fp16_bytes: float
     per_passage: dict[str, list[float]]
     seconds: float = 0.0
+    _intervals: dict[str, Interval] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def share(self) -> float:
@@ -116,7 +117,13 @@ class Row:
         return self.bytes / self.fp16_bytes
 
     def interval(self, metric: str) -> Interval:
-        """The metric's mean over passages with its bootstrap interval (perplexity: exp of the mean NLL)."""
+        """The metric's mean over passages with its bootstrap interval (perplexity: exp of the mean NLL); each is
+        drawn once and kept, since figures and tables ask for the same ones many times."""
+        if metric not in self._intervals:
+            self._intervals[metric] = self._bootstrap(metric)
+        return self._intervals[metric]
+
+    def _bootstrap(self, metric: str) -> Interval:
         if metric == "perplexity":
             nll = bootstrap(self.per_passage["nll"])
             return Interval(float(np.exp(nll.estimate)), float(np.exp(nll.low)), float(np.exp(nll.high)), nll.n,
@@ -215,5 +222,5 @@ def banded_fidelity(model: nn.Module, tokenizer: Any, model_name: str, schemes: 
             rows.append(row)
             if on_row is not None:
                 on_row(row)
-        del snapshot, ref
+        del snapshot, ref  # the fp16 copy and its logits (gigabytes at Gemma's vocabulary) go before the next prefill
     return rows

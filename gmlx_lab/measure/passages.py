@@ -45,6 +45,8 @@ PASSAGES: tuple[Passage, ...] = (
     Passage("othello", "Othello"),
 )
 
+BY_NAME = {p.name: p for p in PASSAGES}
+
 # Models whose training text is known: the passages they never trained on.
 HELD_OUT: dict[str, tuple[str, ...]] = {"teaching-llama": ("macbeth", "julius_caesar")}
 
@@ -82,7 +84,7 @@ def windows(model_name: str, tokenizer: Any, length: int, count: int = 8) -> lis
     per = count // len(names)
     out = []
     for name in names:
-        ids = list(tokenizer.encode(Passage(name, name).text()))
+        ids = list(tokenizer.encode(BY_NAME[name].text()))
         bos = ids[:1] if ids and ids[0] == getattr(tokenizer, "bos_token_id", None) else []
         body = ids[len(bos):]
         step = length - len(bos)

@@ -20,6 +20,8 @@ from ..registry import BASELINE
 from .banded import Row
 from .intervals import Comparison, compare
 
+# The committed results: benchmarks/results/ in a checkout (gmlx_lab/data/results links to it), package data in an
+# installed gmlx_lab (pyproject.toml), so the notebooks find them either way.
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "data" / "results"
 BUDGETS = (0.95, 0.9, 0.85, 0.8, 0.75)
 METRIC = "mean_kl"

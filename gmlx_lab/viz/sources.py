@@ -6,17 +6,13 @@ Published figures are quoted with their source; nothing here is measured by us.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from ..measure.sizes import layer_shapes, policy_bytes
+from ..measure.verdict import RESULTS_DIR
 from ..models import FAMILIES, specimen
 from ..policy import policy
 from ..registry import BASELINE
-
-# The committed results: benchmarks/results/ in a checkout (gmlx_lab/data/results links to it), package data in an
-# installed gmlx_lab (pyproject.toml), so the notebooks find them either way.
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "data" / "results"
 
 GMLX_KL_TABLE = {
     "source": "gmlx documentation, KV cache fidelity (docs/kvarn-spec.md section 5): Qwen3.8-27B, 16K context, "
