@@ -22,6 +22,7 @@ from gmlx_lab.measure.verdict import (
     recommend,
     recommendation_table,
     recommendations,
+    standing,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +177,11 @@ def test_recommend_picks_the_lowest_kl_that_fits_and_compares_it() -> None:
     assert apart.cells()[-1] == "ahead" and apart.text().startswith("Under 95% of fp16's bytes at 1024 tokens: a8 has")
     none = recommend(results, 0.4, 1024)
     assert none.best is None and "no measured scheme fits" in none.text() and "45%" in none.text()
+    assert standing(results, "k", 0.6, 1024) == "under 60% at 1K: k has the lowest mean KL (k4)"
+    assert "a8 has lower mean KL than k4" in standing(results, "k", 0.95, 1024)
+    assert standing(results, "a", 0.5, 1024) == "under 50% at 1K: no a row fits (its smallest share is 55%)"
+    with pytest.raises(ValueError, match="no z rows"):
+        standing(results, "z", 0.6, 1024)
     alone = recommend(VerdictResults("m", rows[:3], []), 0.95, 1024)
     assert alone.runner_up is None and "only a8 fits" in alone.text()
     table = recommendation_table(recommendations(results, (0.95, 0.6), [1024]))

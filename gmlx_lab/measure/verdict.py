@@ -148,6 +148,23 @@ def recommend(results: VerdictResults, budget: float, context: int) -> Recommend
     return Recommendation(budget, context, best, runner_up, floor)
 
 
+def standing(results: VerdictResults, scheme: str, budget: float, context: int) -> str:
+    """Where one scheme stands under a budget: whether it leads, or its best fitting row against the leader
+    (through `compare`), or that none of its rows fits."""
+    rec = recommend(results, budget, context)
+    where = f"under {100 * budget:.0f}% at {context_label(context)}"
+    own = [r for r in results.at(context) if r.scheme == scheme]
+    if not own:
+        raise ValueError(f"{results.model} has no {scheme} rows at {context}")
+    fits = sorted((r for r in own if r.share <= budget), key=lambda r: r.interval(METRIC).estimate)
+    if not fits:
+        return f"{where}: no {scheme} row fits (its smallest share is {100 * min(r.share for r in own):.0f}%)"
+    if rec.best is fits[0]:
+        return f"{where}: {scheme} has the lowest mean KL ({fits[0].label})"
+    return f"{where}: " + compare(rec.best.label, rec.best.interval(METRIC), fits[0].label,
+                                  fits[0].interval(METRIC), "mean KL").sentence()
+
+
 def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS,
                     contexts: list[int] | None = None) -> list[Recommendation]:
     """`recommend` for every budget at every context (the committed ones by default)."""
