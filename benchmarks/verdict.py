@@ -3,6 +3,7 @@
     python benchmarks/verdict.py --model gemma3-270m --contexts 1024,4096,8192
     python benchmarks/verdict.py --model gemma3-270m --contexts 2048          # adds to the same file
     python benchmarks/verdict.py --model teaching-llama --contexts 512,2048 --schemes affine4,kvarn4
+    python benchmarks/verdict.py --model gemma3-270m --contexts 4096,8192 --missing   # go on after a stop
 
 Method (gmlx_lab.measure.banded): 8 passage windows (gmlx_lab.measure.passages) run as one batch; at each
 context the fp16 cache prefills the window, each scheme stores what it held (the same K/V for every scheme),
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=256)
     parser.add_argument("--count", type=int, default=8)
     parser.add_argument("--schemes", default=",".join(VERDICT_SPECS))
+    parser.add_argument("--missing", action="store_true",
+                        help="measure only the (context, scheme) rows the results file lacks (to go on after a stop)")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     name = getattr(model, "gmlx_name", None) or args.model
@@ -74,19 +77,26 @@ def main(argv: list[str] | None = None) -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine(), "method": METHOD.format(count=args.count, decode=args.decode),
            "decode": args.decode, "count": args.count}
-    data.setdefault("runs", []).append(run)
+    runs = data.setdefault("runs", [])
 
     def keep(row: Row) -> None:
-        item = {**row.to_dict(), "run": len(data["runs"]) - 1}
+        if run not in runs:  # a run that measures nothing leaves the file as it was
+            runs.append(run)
+        item = {**row.to_dict(), "run": runs.index(run)}
         data["rows"] = [r for r in data["rows"] if (r["context"], r["spec"]) != (row.context, row.spec)] + [item]
         out.write_text(json.dumps(data, indent=1) + "\n")
         print(f"{row.context:>6} {row.label:<22} share {row.share:.3f} mean KL {row.interval('mean_kl').text()} "
               f"top-1 {row.interval('top1').text()} {row.seconds:.1f} s", flush=True)
 
-    specs = scheme_list(args.schemes)
-    banded_fidelity(model, tokenizer, name, specs, [int(c) for c in args.contexts.split(",")], args.decode,
-                    args.count, on_row=keep)
-    print(f"wrote {out}")
+    specs, contexts = scheme_list(args.schemes), [int(c) for c in args.contexts.split(",")]
+    if not args.missing:
+        banded_fidelity(model, tokenizer, name, specs, contexts, args.decode, args.count, on_row=keep)
+    for context in contexts if args.missing else []:  # one context at a time: each has its own missing rows
+        have = {r["spec"] for r in data["rows"] if r["context"] == context}
+        todo = [s for s in specs if s not in have]
+        if todo:
+            banded_fidelity(model, tokenizer, name, todo, [context], args.decode, args.count, on_row=keep)
+    print(f"wrote {out}" if run in runs else f"{out} already holds every row asked for; nothing measured")
     return 0
 
 
