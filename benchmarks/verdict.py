@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
            "machine": machine(), "method": METHOD.format(count=args.count, decode=args.decode),
            "decode": args.decode, "count": args.count}
     runs = data.setdefault("runs", [])
+    index = len(runs)  # this run's place in the list, once it has measured a row
 
     def keep(row: Row) -> None:
-        if run not in runs:  # a run that measures nothing leaves the file as it was
+        if len(runs) == index:  # a run that measures nothing leaves the file as it was
             runs.append(run)
-        item = {**row.to_dict(), "run": runs.index(run)}
+        item = {**row.to_dict(), "run": index}
         data["rows"] = [r for r in data["rows"] if (r["context"], r["spec"]) != (row.context, row.spec)] + [item]
         out.write_text(json.dumps(data, indent=1) + "\n")
         print(f"{row.context:>6} {row.label:<22} share {row.share:.3f} mean KL {row.interval('mean_kl').text()} "
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = [s for s in specs if s not in have]
         if todo:
             banded_fidelity(model, tokenizer, name, todo, [context], args.decode, args.count, on_row=keep)
-    print(f"wrote {out}" if run in runs else f"{out} already holds every row asked for; nothing measured")
+    print(f"wrote {out}" if len(runs) > index else f"{out} already holds every row asked for; nothing measured")
     return 0
 
 

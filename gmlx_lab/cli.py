@@ -374,7 +374,7 @@ def cmd_verdict(args: argparse.Namespace) -> int:
     from .measure import verdict
 
     try:
-        budgets = tuple(float(b) for b in args.budgets.split(","))
+        budgets = verdict.BUDGETS if args.budgets is None else tuple(float(b) for b in args.budgets.split(","))
     except ValueError:
         raise ValueError(f"--budgets takes shares of fp16's bytes like 0.8,0.6,0.4, got {args.budgets!r}") from None
     results = verdict.load_verdict(args.model, args.machine)
@@ -385,7 +385,8 @@ def cmd_verdict(args: argparse.Namespace) -> int:
                            "comparison": r.comparison and r.comparison.to_dict()} for r in recs], indent=1))
         return 0
     print(verdict.recommendation_table(recs))
-    print(f"\n{results.model}, {results.passages} passages; {results.method}\nfrom {results.path}")
+    print(f"\n{results.model}, {results.passages} passages, measured on the {', '.join(results.machines)}; "
+          f"{results.method}\nfrom {results.path}")
     return 0
 
 
@@ -524,8 +525,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verdict", help="which scheme when: the best scheme per memory budget and context")
     p.add_argument("--model", default="gemma3-270m", help="a model with committed results (benchmarks/verdict.py)")
-    p.add_argument("--machine", default="cpu", help="the machine tag in the results file's name")
-    p.add_argument("--budgets", default="0.95,0.9,0.85,0.8,0.75", help="shares of fp16's bytes, comma-separated")
+    p.add_argument("--machine", default=None,
+                   help="the machine tag in the results file's name (cpu, h200); default: the file with the most "
+                        "contexts")
+    p.add_argument("--budgets", default=None, help="shares of fp16's bytes, comma-separated (default: "
+                   "gmlx_lab.measure.verdict.BUDGETS)")
     p.add_argument("--json", action="store_true", help="the recommendations as JSON")
     p.set_defaults(run=cmd_verdict)
 

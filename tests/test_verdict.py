@@ -16,7 +16,9 @@ from gmlx_lab.measure import passages
 from gmlx_lab.measure.banded import VERDICT_SPECS, Row, banded_fidelity, split_head
 from gmlx_lab.measure.intervals import WINNER_WORDS, Interval, bootstrap, compare, wilson
 from gmlx_lab.measure.verdict import (
+    FP16_KL_FLOOR,
     VerdictResults,
+    agreement,
     decode_speed,
     load_verdict,
     recommend,
@@ -63,6 +65,18 @@ def test_compare_names_a_winner_only_where_intervals_are_apart() -> None:
     assert higher.winner == "A" and "higher top-1" in higher.sentence()
     with pytest.raises(TypeError, match="noise band"):
         compare("A", 0.1, "B", Interval(0.2, 0.1, 0.3, 8, "b"))
+
+
+def test_compare_names_no_winner_below_the_floor() -> None:
+    a, b = Interval(2e-5, 1.8e-5, 2.2e-5, 8, "b"), Interval(3e-5, 2.8e-5, 3.2e-5, 8, "b")
+    assert compare("A", a, "B", b).winner == "A"  # apart, and no floor given
+    low = compare("A", a, "B", b, floor=1e-4)
+    assert low.winner is None and low.below_floor and "both below 0.0001" in low.sentence()
+    assert not WINNER_WORDS.search(low.sentence())
+    above = compare("A", a, "B", Interval(0.02, 0.01, 0.03, 8, "b"), floor=1e-4)
+    assert above.winner == "A" and not above.below_floor  # only both under the floor ties
+    with pytest.raises(ValueError, match="floor"):
+        compare("A", a, "B", b, floor=-1.0)
 
 
 def test_wilson_counts() -> None:
@@ -195,6 +209,34 @@ def test_recommend_picks_the_lowest_kl_that_fits_and_compares_it() -> None:
         partial.at(4096)
 
 
+def test_rows_below_the_kl_floor_are_alike_and_the_smaller_is_recommended() -> None:
+    rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("a8", 0.9, [2e-5] * 8, "a"),
+            _row("k8", 0.8, [3e-5] * 4 + [3.2e-5] * 4, "k"), _row("k4", 0.7, [0.002] * 8, "k")]
+    on_gpu = VerdictResults("m", rows, [{"machine": {"tag": "h200"}}])
+    assert on_gpu.kl_floor == FP16_KL_FLOOR and VerdictResults("m", rows, [{"machine": {"tag": "cpu"}}]).kl_floor == 0
+    rec = recommend(on_gpu, 0.95, 1024)
+    assert (rec.best.spec, rec.runner_up.spec) == ("k8", "a8")  # both under the floor: fewer bytes first
+    assert rec.cells()[-1] == f"both below {FP16_KL_FLOOR:g}" and rec.comparison.winner is None
+    on_cpu = recommend(VerdictResults("m", rows, [{"machine": {"tag": "cpu"}}]), 0.95, 1024)
+    assert (on_cpu.best.spec, on_cpu.comparison.winner) == ("a8", "a8")  # float32: the small KL is read
+
+
+def test_committed_machines_agree_above_the_floor_and_not_below() -> None:
+    """FP16_KL_FLOOR is where the H200's fp16 rows stop tracking the CPU's float32 rows of the same cases."""
+    pairs = agreement(load_verdict("gemma3-270m", "cpu"), load_verdict("gemma3-270m", "h200"))
+    above, below = pairs.ratios(above=FP16_KL_FLOOR), pairs.ratios(below=FP16_KL_FLOOR)
+    assert len(above) >= 40 and 0.7 < min(above) and max(above) < 1.5
+    assert below and min(below) > 2  # fp16 arithmetic, not the scheme, sets these
+    assert "pairs" in pairs.text(above=FP16_KL_FLOOR)
+
+
+def test_load_verdict_reads_the_file_with_most_contexts() -> None:
+    default = load_verdict("gemma3-270m")
+    assert default.path.name == "verdict-gemma3-270m-h200.json" and default.machines == ["h200"]
+    assert len(default.contexts) > len(load_verdict("gemma3-270m", "cpu").contexts)
+    assert default.contexts[-1] >= 8192  # the sweep reaches 8K, inside the trained context
+
+
 def test_committed_verdict_loads_with_intervals() -> None:
     results = load_verdict("gemma3-270m")
     assert results.passages >= 8 and len(results.contexts) >= 2
@@ -244,7 +286,7 @@ def test_cli_verdict_prints_the_table_and_refuses_bad_budgets(capsys: pytest.Cap
 
     assert cli.main(["verdict", "--budgets", "0.9,0.6"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split()[:2] == ["budget", "lowest"] and "passages" in out
+    assert out.splitlines()[0].split()[:2] == ["budget", "recommended"] and "passages" in out
     assert cli.main(["verdict", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["budget"] == 0.95
     assert cli.main(["verdict", "--budgets", "most"]) == 2
@@ -262,3 +304,33 @@ def test_readme_and_results_doc_show_the_committed_verdict() -> None:
     speed = decode_speed("model_decode-h200.json") + decode_speed("model_decode-cpu.json")
     readme = (ROOT / "README.md").read_text()
     assert all(f"- {s.text()}" in readme for s in speed), "README: paste each decode_speed(...).text()"
+
+
+def test_verdict_benchmark_goes_on_where_a_run_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--missing measures only the (context, spec) rows the file lacks, one context at a time."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verdict as bench
+
+    calls = []
+
+    def fake(model, tokenizer, name, specs, contexts, decode, count, on_row):
+        calls.append((list(specs), list(contexts)))
+        for context in contexts:
+            for spec in ["fp16", *specs]:
+                row = _row(spec, 0.5, [0.01] * 8, "fp16" if spec == "fp16" else spec)
+                row.context = context
+                on_row(row)
+
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "load_model", lambda name: (object(), object()))
+    monkeypatch.setattr(bench, "banded_fidelity", fake)
+    monkeypatch.setattr(bench, "machine_tag", lambda: "test")
+    assert bench.main(["--model", "m", "--contexts", "512", "--schemes", "affine4"]) == 0
+    assert bench.main(["--model", "m", "--contexts", "512,1024", "--schemes", "affine4,kvarn4", "--missing"]) == 0
+    assert calls[1:] == [(["kvarn4"], [512]), (["affine4", "kvarn4"], [1024])]
+    before = (tmp_path / "verdict-m-test.json").read_text()
+    assert bench.main(["--model", "m", "--contexts", "512,1024", "--schemes", "affine4,kvarn4", "--missing"]) == 0
+    assert (tmp_path / "verdict-m-test.json").read_text() == before  # nothing measured, nothing written
+    assert len(json.loads(before)["runs"]) == 2

@@ -100,10 +100,15 @@ class Comparison:
     a_value: Interval
     b_value: Interval
     lower_is_better: bool = True
+    floor: float = 0.0  # values whose whole interval lies below it are the measurement's noise, not a difference
+
+    @property
+    def below_floor(self) -> bool:
+        return max(self.a_value.high, self.b_value.high) < self.floor
 
     @property
     def distinguishable(self) -> bool:
-        return not self.a_value.overlaps(self.b_value)
+        return not self.a_value.overlaps(self.b_value) and not self.below_floor
 
     @property
     def winner(self) -> str | None:
@@ -117,6 +122,9 @@ class Comparison:
         """One sentence a notebook or the CLI may print: a winner only where the intervals do not overlap."""
         values = f"{self.a_value.text()} against {self.b_value.text()}"
         n = self.a_value.n if self.a_value.n == self.b_value.n else f"{self.a_value.n}/{self.b_value.n}"
+        if self.below_floor:
+            return (f"{self.a} and {self.b} are indistinguishable: {self.metric} {values}, both below {self.floor:g}, "
+                    "the floor of this measurement's arithmetic.")
         if self.winner is None:
             return (f"{self.a} and {self.b} are indistinguishable at this sample: {self.metric} {values}, "
                     f"95% intervals over {n} overlap.")
@@ -128,14 +136,17 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "metric": self.metric, "a_value": self.a_value.to_dict(),
-                "b_value": self.b_value.to_dict(), "lower_is_better": self.lower_is_better,
+                "b_value": self.b_value.to_dict(), "lower_is_better": self.lower_is_better, "floor": self.floor,
                 "winner": self.winner, "sentence": self.sentence()}
 
 
 def compare(a: str, a_value: Interval, b: str, b_value: Interval, metric: str = "mean KL",
-            lower_is_better: bool = True) -> Comparison:
-    """Compare two measurements: the lab's only way to name the better one (None where intervals overlap)."""
+            lower_is_better: bool = True, floor: float = 0.0) -> Comparison:
+    """Compare two measurements: the lab's only way to name the better one (None where intervals overlap, or
+    where both lie wholly below `floor`, the level the measurement's own arithmetic reaches)."""
     if not isinstance(a_value, Interval) or not isinstance(b_value, Interval):
         raise TypeError("compare needs two Interval values (gmlx_lab.measure.intervals.bootstrap or wilson); a bare "
                         "number carries no noise band")
-    return Comparison(a, b, metric, a_value, b_value, lower_is_better)
+    if floor < 0:
+        raise ValueError(f"floor is a level of the metric, >= 0; got {floor}")
+    return Comparison(a, b, metric, a_value, b_value, lower_is_better, floor)

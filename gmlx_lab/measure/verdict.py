@@ -1,6 +1,6 @@
 """Which scheme when: the committed banded-fidelity results read as a recommendation per memory budget and context.
 
-    results = load_verdict("gemma3-270m")                 # benchmarks/results/verdict-gemma3-270m-cpu.json
+    results = load_verdict("gemma3-270m")                 # the model's file with the most contexts (the H200's)
     for rec in recommendations(results):
         print(rec.text())                                 # best, runner-up, and whether the two differ
 
@@ -23,8 +23,12 @@ from .intervals import Comparison, compare
 # The committed results: benchmarks/results/ in a checkout (gmlx_lab/data/results links to it), package data in an
 # installed gmlx_lab (pyproject.toml), so the notebooks find them either way.
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "data" / "results"
-BUDGETS = (0.95, 0.9, 0.85, 0.8, 0.75)
+BUDGETS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 METRIC = "mean_kl"
+# Mean KL under which rows computed in fp16 (on a GPU) tell no scheme from another: fp16 arithmetic alone lifts
+# the 8-bit rows to about this level, where the CPU's float32 rows of the same cases sit several times lower
+# (notebook 12 and docs/results.md show the cross-check; tests/test_verdict.py reads it from the files).
+FP16_KL_FLOOR = 1e-4
 
 
 @dataclass
@@ -68,6 +72,16 @@ class VerdictResults:
                      ("perplexity", "perplexity"))}} for r in self.at(context)]
 
     @property
+    def machines(self) -> list[str]:
+        return sorted({run.get("machine", {}).get("tag", "unknown") for run in self.runs})
+
+    @property
+    def kl_floor(self) -> float:
+        """The mean KL below which two rows are not told apart: FP16_KL_FLOOR where any row was computed in fp16
+        (any machine but the CPU, where gmlx_lab computes in float32), else 0."""
+        return 0.0 if self.machines == ["cpu"] else FP16_KL_FLOOR
+
+    @property
     def method(self) -> str:
         return self.runs[-1]["method"] if self.runs else ""
 
@@ -85,15 +99,66 @@ def verdict_path(model: str, machine: str = "cpu") -> Path:
     return RESULTS_DIR / f"verdict-{model}-{machine}.json"
 
 
-def load_verdict(model: str = "gemma3-270m", machine: str = "cpu") -> VerdictResults:
-    """The committed rows of `benchmarks/verdict.py` for one model and machine."""
-    path = verdict_path(model, machine)
+def verdict_machines(model: str) -> list[str]:
+    """The machines with a committed verdict file for `model` ("cpu", "h200", ...)."""
+    prefix = f"verdict-{model}-"
+    return sorted(p.name[len(prefix):-len(".json")] for p in RESULTS_DIR.glob(f"{prefix}*.json"))
+
+
+def load_verdict(model: str = "gemma3-270m", machine: str | None = None) -> VerdictResults:
+    """The committed rows of `benchmarks/verdict.py` for one model and machine; without a machine, the file
+    that holds the most complete contexts (a sweep reads best from one machine), the CPU's on a tie."""
+    if machine is None:
+        found = [_read(verdict_path(model, m)) for m in verdict_machines(model)]
+        if found:
+            return max(found, key=lambda r: (len(r.contexts), r.path.name.endswith("-cpu.json")))
+        machine = "cpu"
+    return _read(verdict_path(model, machine))
+
+
+def _read(path: Path) -> VerdictResults:
     if not path.is_file():
         found = sorted(p.name for p in RESULTS_DIR.glob("verdict-*.json"))
+        model = path.name.removeprefix("verdict-").rsplit("-", 1)[0]
         raise FileNotFoundError(f"no results file {path.name}; run benchmarks/verdict.py --model {model}. "
                                 f"Committed: {', '.join(found) or 'none'}")
     data = json.loads(path.read_text())
     return VerdictResults(data["model"], [Row.from_dict(r) for r in data["rows"]], data.get("runs", []), path)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Two machines' rows for the same (context, scheme) pairs: how far their mean KL lies apart."""
+
+    first: str
+    second: str
+    pairs: tuple[tuple[Row, Row], ...]
+
+    def ratios(self, above: float = 0.0, below: float = float("inf")) -> list[float]:
+        """second's mean KL over first's, for the pairs where first's lies in [above, below)."""
+        return [b.interval(METRIC).estimate / a.interval(METRIC).estimate for a, b in self.pairs
+                if 0 < a.interval(METRIC).estimate and above <= a.interval(METRIC).estimate < below]
+
+    def overlapping(self) -> int:
+        """How many pairs have overlapping 95% intervals."""
+        return sum(a.interval(METRIC).overlaps(b.interval(METRIC)) for a, b in self.pairs)
+
+    def text(self, above: float = 0.0, below: float = float("inf")) -> str:
+        r = self.ratios(above, below)
+        if not r:
+            return f"no pairs with the {self.first} file's mean KL in [{above:g}, {below:g})"
+        where = (f"where the {self.first} file's mean KL is " +
+                 (f"at least {above:g}" if below == float("inf") else f"below {below:g}"))
+        return f"{where}, the {self.second} file's is {min(r):.2f}-{max(r):.2f}x it ({len(r)} pairs)"
+
+
+def agreement(first: VerdictResults, second: VerdictResults) -> Agreement:
+    """Pair the rows two files share (same context and spec), for a cross-check of machines."""
+    common = sorted(set(first.contexts) & set(second.contexts))
+    pairs = tuple((a, second.row(c, a.spec)) for c in common for a in first.at(c)
+                  if a.scheme != BASELINE and any(b.spec == a.spec for b in second.at(c)))
+    return Agreement(first.path.name if first.path else "first", second.path.name if second.path else "second",
+                     pairs)
 
 
 @dataclass(frozen=True)
@@ -106,13 +171,14 @@ class Recommendation:
     best: Row | None
     runner_up: Row | None
     floor: float  # the smallest share any measured scheme reaches at this context
+    kl_floor: float = 0.0  # VerdictResults.kl_floor
 
     @property
     def comparison(self) -> Comparison | None:
         if self.best is None or self.runner_up is None:
             return None
         return compare(self.best.label, self.best.interval(METRIC), self.runner_up.label,
-                       self.runner_up.interval(METRIC), "mean KL")
+                       self.runner_up.interval(METRIC), "mean KL", floor=self.kl_floor)
 
     def cells(self) -> tuple[str, str, str, str]:
         """(budget, best, runner-up, verdict) as short table cells."""
@@ -123,6 +189,8 @@ class Recommendation:
         if self.runner_up is None:
             return budget, best, "", "the only scheme that fits"
         runner = f"{self.runner_up.label} ({100 * self.runner_up.share:.0f}%)"
+        if self.comparison.below_floor:
+            return budget, best, runner, f"both below {self.kl_floor:g}"
         return budget, best, runner, "ahead" if self.comparison.distinguishable else "indistinguishable"
 
     def text(self) -> str:
@@ -135,17 +203,24 @@ class Recommendation:
         return f"{where}: {self.comparison.sentence()}"
 
 
+def _rank(row: Row, kl_floor: float) -> tuple[int, float]:
+    """Lowest mean KL first; rows wholly below the KL floor come before all others and, being alike, by bytes."""
+    kl = row.interval(METRIC)
+    return (0, row.share) if kl.high < kl_floor else (1, kl.estimate)
+
+
 def recommend(results: VerdictResults, budget: float, context: int) -> Recommendation:
     """The lowest-mean-KL row whose bytes fit the budget at this context, and the runner-up: the best row of
-    another scheme (the same scheme at another width or tail answers a different question: which width)."""
+    another scheme (the same scheme at another width or tail answers a different question: which width). Rows
+    below the results' KL floor are alike in KL, so the smallest of them comes first."""
     if not 0 < budget <= 1:
         raise ValueError(f"budget is a share of fp16's bytes in (0, 1], got {budget}")
     rows = [r for r in results.at(context) if r.scheme != BASELINE]
-    fits = sorted((r for r in rows if r.share <= budget), key=lambda r: r.interval(METRIC).estimate)
+    fits = sorted((r for r in rows if r.share <= budget), key=lambda r: _rank(r, results.kl_floor))
     floor = min(r.share for r in rows) if rows else 1.0
     best = fits[0] if fits else None
     runner_up = next((r for r in fits if best is not None and r.scheme != best.scheme), None)
-    return Recommendation(budget, context, best, runner_up, floor)
+    return Recommendation(budget, context, best, runner_up, floor, results.kl_floor)
 
 
 def standing(results: VerdictResults, scheme: str, budget: float, context: int) -> str:
@@ -156,13 +231,13 @@ def standing(results: VerdictResults, scheme: str, budget: float, context: int) 
     own = [r for r in results.at(context) if r.scheme == scheme]
     if not own:
         raise ValueError(f"{results.model} has no {scheme} rows at {context}")
-    fits = sorted((r for r in own if r.share <= budget), key=lambda r: r.interval(METRIC).estimate)
+    fits = sorted((r for r in own if r.share <= budget), key=lambda r: _rank(r, results.kl_floor))
     if not fits:
         return f"{where}: no {scheme} row fits (its smallest share is {100 * min(r.share for r in own):.0f}%)"
     if rec.best is fits[0]:
         return f"{where}: {scheme} has the lowest mean KL ({fits[0].label})"
     return f"{where}: " + compare(rec.best.label, rec.best.interval(METRIC), fits[0].label,
-                                  fits[0].interval(METRIC), "mean KL").sentence()
+                                  fits[0].interval(METRIC), "mean KL", floor=results.kl_floor).sentence()
 
 
 def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS,
@@ -173,7 +248,7 @@ def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGET
 
 def recommendation_table(recs: list[Recommendation]) -> str:
     """The recommendations as a plain-text table (what notebook 12 keeps and nbval checks)."""
-    head = ("budget", "lowest mean KL (share)", "best other scheme (share)", "95% intervals")
+    head = ("budget", "recommended (share)", "best other scheme (share)", "95% intervals")
     cells = [head] + [r.cells() for r in recs]
     widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
@@ -193,7 +268,8 @@ def markdown_table(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
                 continue
             cell = f"**{rec.best.label}** {100 * rec.best.share:.0f}%, KL {rec.best.interval(METRIC).text()}"
             if rec.runner_up is not None:
-                word = "ahead of" if rec.comparison.distinguishable else "indistinguishable from"
+                word = ("ahead of" if rec.comparison.distinguishable else
+                        f"below {rec.kl_floor:g} with" if rec.comparison.below_floor else "indistinguishable from")
                 cell += (f"; {word} {rec.runner_up.label} ({100 * rec.runner_up.share:.0f}%, "
                          f"{rec.runner_up.interval(METRIC).text()})")
             cells.append(cell)
