@@ -19,6 +19,7 @@ from . import (
     schemes,  # noqa: F401  (registers the built-in schemes, and their cache classes in mlx-lm)
 )
 from .cache import AffineCache, AffineRotCache, BlockCache, BlockScheme, FP16Cache, KVarNCache
+from .cache.saved import SavedCacheError, load_prompt_cache
 from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.memory etc., as before)
 from .measure.audit import audit
 from .measure.fidelity import fidelity
@@ -38,5 +39,5 @@ for _name in ("experiments", "fidelity", "memory", "metrics", "tradeoff"):
 __all__ = [
     "SCHEMES", "AffineCache", "AffineRotCache", "BlockCache", "BlockScheme", "FP16Cache", "KVarNCache", "Option",
     "Policy", "PromptCache", "Scheme", "audit", "available_models", "fidelity", "get_scheme", "load", "make_cache",
-    "parse_scheme_spec", "policy", "register_scheme",
+    "SavedCacheError", "load_prompt_cache", "parse_scheme_spec", "policy", "register_scheme",
 ]

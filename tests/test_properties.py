@@ -29,6 +29,7 @@ import pytest
 from conftest import random_kv, tiny_llama
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
+from mlx.utils import tree_unflatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
@@ -336,6 +337,98 @@ def test_save_load_at_any_offset_is_bit_exact_and_continues_identically(case, mo
     rest = data.draw(chunkings(more), "rest")
     assert same_arrays(feed(cache, k, v, rest, start=total), feed(loaded, k, v, rest, start=total))
     assert_same_state(cache, loaded)
+
+
+# -- saved caches are checked when they load ----------------------------------------------------------------------
+
+CORRUPTIONS = ("shape", "dtype", "scalar", "nan", "missing", "truncate", "layout")
+# the fixed scalars of each layout (item indices in `state`): offset, newest, layer, geometry, K/V shape, window,
+# dropped, sliding window; each is refused at -1
+FIXED_SCALARS = {"FP16Cache": range(2, 12), "default": range(6, 20)}
+RETYPE = {mx.float16: mx.float32, mx.float32: mx.float16, mx.bfloat16: mx.float16, mx.uint32: mx.int32,
+          mx.uint8: mx.int8, mx.int8: mx.uint8, mx.int32: mx.uint32}
+
+
+def saved_specs() -> st.SearchStrategy[Spec]:
+    """Every built-in scheme (see `specs`) and the toy plug-in (tests/toy_scheme.py)."""
+    import toy_scheme  # noqa: F401  (registers "toy")
+
+    toy = st.builds(lambda b, t: Spec("toy", {"bits": b, "kv_tail_tokens": t}), st.sampled_from([4, 8]),
+                    st.sampled_from([0, 16, 40]))
+    return st.one_of(specs(), toy)
+
+
+def corrupt(path: str, kind: str, data: Any) -> str:
+    """Change the saved file at `path` in one way (`kind`, details drawn from `data`); returns what was done."""
+    if kind == "truncate":
+        raw = open(path, "rb").read()
+        cut = data.draw(st.integers(0, len(raw) - 1), "cut")
+        open(path, "wb").write(raw[:cut])
+        return f"truncated to {cut} of {len(raw)} bytes"
+    arrays, meta = mx.load(path, return_metadata=True)
+    scalar_kind = {pos: k for pos, k in tree_unflatten(list(meta.items()))[2][1:]}
+    held = sorted(k for k in arrays if k not in scalar_kind and arrays[k].size)
+    layout = next(pos for pos, k in scalar_kind.items() if k == "string" and pos.startswith("0.")
+                  and "".join(chr(i) for i in arrays[pos].tolist()).startswith("gmlx_lab."))
+    if kind == "layout":
+        arrays[layout] = mx.array([ord(c) for c in "gmlx_lab.BlockCache/0"])
+        what = "layout tag set to another version"
+    elif kind == "missing":
+        key = data.draw(st.sampled_from(sorted(arrays)), "key")
+        del arrays[key]
+        what = f"item {key} deleted"
+    elif kind == "scalar":
+        items = FIXED_SCALARS["FP16Cache" if "FP16Cache" in meta.values() else "default"]
+        keys = [f"0.{i}" for i in items if scalar_kind.get(f"0.{i}") == "scalar"]
+        key = data.draw(st.sampled_from(keys), "key")
+        arrays[key] = mx.array(-1)
+        what = f"scalar {key} set to -1"
+    else:
+        pool = [k for k in held if kind != "nan" or arrays[k].dtype in (mx.float16, mx.float32, mx.bfloat16)]
+        assume(pool)
+        key = data.draw(st.sampled_from(pool), "key")
+        x = arrays[key]
+        if kind == "dtype":
+            arrays[key] = x.astype(RETYPE[x.dtype])
+            what = f"{key} retyped {x.dtype} -> {arrays[key].dtype}"
+        elif kind == "shape":
+            axis = data.draw(st.integers(0, x.ndim - 1), "axis")
+            arrays[key] = mx.take(x, mx.arange(x.shape[axis] - 1), axis=axis) if x.shape[axis] > 1 else \
+                mx.concatenate([x, x], axis=axis)
+            what = f"{key} axis {axis}: {x.shape} -> {arrays[key].shape}"
+        else:
+            flat = x.flatten()
+            at = data.draw(st.integers(0, flat.size - 1), "at")
+            flat[at] = float("nan")
+            arrays[key] = flat.reshape(x.shape)
+            what = f"{key} element {at} set to nan"
+    mx.save_safetensors(path, arrays, meta)
+    return what
+
+
+@examples(60)
+@given(spec=saved_specs(), data=st.data(), kind=st.sampled_from(CORRUPTIONS))
+def test_every_single_corruption_of_a_saved_cache_is_refused_when_it_loads(spec, data, kind):
+    """A saved cache with one thing wrong (an array's shape or dtype, a scalar out of range, a nan in any region,
+    an item missing, the file cut short, another layout) is refused by gmlx_lab's loader with one SavedCacheError
+    naming the file and what is wrong, never loaded to fail later; the unchanged file loads bit-exactly."""
+    total = data.draw(lengths(1, 560, spec.tail), "total")
+    k, v = kv(total, seed=total + 5)
+    cache = spec.make(layer=0)
+    feed(cache, k, v, data.draw(chunkings(total), "chunks"))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "cache.safetensors")
+        save_prompt_cache(path, [cache])
+        assert_same_state(cache, gmlx_lab.load_prompt_cache(path)[0])
+        what = corrupt(path, kind, data)
+        with pytest.raises(gmlx_lab.SavedCacheError) as refused:
+            gmlx_lab.load_prompt_cache(path)
+    message = str(refused.value)
+    assert message.startswith(path), (what, message)
+    if kind in ("shape", "dtype", "scalar", "nan", "layout"):
+        assert type(cache).__name__ in message, (what, message)
+    if kind == "nan":
+        assert "inf or nan" in message, (what, message)
 
 
 # -- deep copies --------------------------------------------------------------------------------------------------

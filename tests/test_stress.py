@@ -467,8 +467,12 @@ def test_non_finite_kv_is_one_named_error_for_every_scheme(cache):
 
 @pytest.mark.parametrize("cache", one_layer_caches(), ids=lambda c: c.scheme)
 def test_non_finite_check_can_be_switched_off_by_name(cache):
+    """Off, arriving K/V are not checked; an explicit check_finite() still scans what the cache holds."""
     cache.check_finite_on = False
-    k, v = random_kv(100)
-    cache.update_and_fetch(k, v * mx.nan)
-    cache.check_finite()  # nothing was recorded to check
-    assert cache.offset == 100
+    k, v = random_kv(200)
+    cache.update_and_fetch(k[:, :, :100], v[:, :, :100] * mx.nan)
+    for t in range(100, 200):  # past three finiteness batches: nothing was queued, nothing raises
+        cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert cache.offset == 200
+    with pytest.raises(ValueError, match="layer 5: V in the .* holds inf or nan"):
+        cache.check_finite()

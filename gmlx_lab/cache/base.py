@@ -11,6 +11,7 @@ time), computed with the step that completes the batch (`mx.depends` ties the fl
 and read when the batch after the next one forms (by then its step has surely run, so reading never waits
 on the GPU: an error comes at most about 3 x 32 decode tokens late), or at once by `check_finite()`;
 the error names the layer and the tokens. Trimmed tokens leave the queue of tokens still to check.
+`check_finite()` also scans every region the cache holds now (what a saved file brought in too).
 Batching keeps the check to a few operations per 32 decode tokens: checked one by one it costs several
 kernel launches per layer and token.
 `GmlxCache.check_finite_on = False` (or GMLX_CHECK_FINITE=0 in the environment) skips it for speed runs;
@@ -29,6 +30,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .. import window
 from ..kernels import active_backend, precompiled, selfcheck
+from . import saved
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 CHECK_FINITE_ENV = "GMLX_CHECK_FINITE"
@@ -135,7 +137,7 @@ class GmlxCache(_BaseCache):
             self._unchecked.append((keys, values))
             self._unchecked_tokens += keys.shape[2]
             return keys, values
-        self.check_finite(keep_last=1)  # the batch before the previous one (raises before this one is queued)
+        self._read_flags(keep_last=1)  # the batch before the previous one (raises before this one is queued)
         self._unchecked.append((keys, values))
         self._unchecked_tokens += keys.shape[2]
         # the flag joins this step's graph, so it is computed with the step and reading it never waits
@@ -150,7 +152,26 @@ class GmlxCache(_BaseCache):
         self._flags.append((end - k.shape[2], end, finite))
         return finite
 
-    def check_finite(self, keep_last: int = 0) -> None:
+    def check_finite(self) -> None:
+        """Raise if K/V that arrived held inf or nan, or if any region the cache holds now does (a loaded cache's
+        sink, blocks and their scales, live tokens and tail, whatever arrived or was loaded)."""
+        self._read_flags(keep_last=0)
+        self.check_stored_finite()
+
+    def check_stored_finite(self) -> None:
+        """Raise a ValueError naming the region, K or V and the tokens if what the cache holds is not finite."""
+        for region, kind, x in self.stored_tokens():
+            ok = mx.all(mx.isfinite(x), axis=(0, 1, 3))
+            if not mx.all(ok).item():
+                first = int(mx.argmin(ok.astype(mx.int32)).item())
+                raise ValueError(f"{self.where()}: {kind} in the {region} holds inf or nan (token {first} of "
+                                 f"{x.shape[2]} there); accepted: finite K/V")
+
+    def stored_tokens(self) -> list[tuple[str, str, mx.array]]:
+        """(region, "K" or "V", its tokens (B, H, n, D) as the cache would read them) for every region held."""
+        raise NotImplementedError
+
+    def _read_flags(self, keep_last: int) -> None:
         """Raise if K/V that arrived held inf or nan; the newest `keep_last` batches are left for later."""
         if keep_last == 0 and self._unchecked:
             self._batch_flag(self.offset)
@@ -335,7 +356,8 @@ class GmlxCache(_BaseCache):
     def __deepcopy__(self, memo: dict) -> GmlxCache:
         """An independent copy. The copy shares the arrays' data but not the array objects: a write into a
         buffer with room (`buf[..., i, :] = x`) updates that array object in place, which the copy must not see."""
-        new = type(self).from_state(_new_objects(self.state))
+        with saved.trusted():  # a live cache's own state: checked when it arrived
+            new = type(self).from_state(_new_objects(self.state))
         switches = ("attention_path", "check_finite_on", "sliding_window", "sliding_hold")  # set on the instance
         for name in switches:
             if name in self.__dict__:

@@ -62,12 +62,15 @@ from .. import window
 from ..records import KV
 from ..regions import block_regions, due_tokens
 from ..registry import SCHEMES, Scheme
+from . import saved
 from .base import GmlxCache, array_bytes
 from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
 
 __all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
 
 GEOMETRY = ("block_tokens", "sink_tokens", "kv_tail_tokens")  # options a scheme may set, or class attributes
+LAYOUT = "gmlx_lab.BlockCache/1"  # the last item of `state`: a saved state of another layout is refused
+STATE_ITEMS = 20  # six arrays, then offset, newest, layer, the geometry, the K/V shape, window and sliding scalars
 STATE = ("offset", "layer", "options", "sink", "body", "body_buffers", "recent", "sink_count", "recent_count", "newest",
          "max_kv_size", "dropped")
 
@@ -414,11 +417,27 @@ class BlockCache(GmlxCache):
         new.rollback = self.rollback
         return new
 
+    def stored_tokens(self) -> list[tuple[str, str, mx.array]]:
+        """Each region's K and V as the cache reads them: the sink, the blocks decoded (their codes and scales),
+        the live tokens, the tail, and the newest block's fp16 copy where one is kept."""
+        out = []
+        if self.sink is not None:
+            out += [("sink", "K", self.sink.k), ("sink", "V", self.sink.v)]
+        if self.body is not None:
+            out += [("blocks", kind.upper(), self._decode_blocks(parts, kind)) for parts, kind in zip(self.body, "kv")]
+        tokens = self.region_tokens()
+        for region, start, n in (("live tokens", 0, tokens["live"]), ("tail", tokens["live"], tokens["tail"])):
+            if n:
+                out += [(region, kind, buf.view(start + n)[:, :, start:]) for kind, buf in zip("KV", self.recent)]
+        if self.rollback is not None:
+            out += [("newest block's fp16 copy", kind, x) for kind, x in zip("KV", self.rollback)]
+        return out
+
     @property
     def state(self) -> tuple[Any, ...]:
         """Arrays, then scalars: offset, newest, layer, the geometry, the K/V shape, the rolling window (size,
-        tokens dropped) and the sliding-window setting, and the scheme's options as name, value pairs (mlx-lm
-        0.32.2's save_prompt_cache stores the scalars it finds in `state`)."""
+        tokens dropped) and the sliding-window setting, the scheme's options as name, value pairs (mlx-lm
+        0.32.2's save_prompt_cache stores the scalars it finds in `state`), and the layout tag last."""
         sink = (None, None) if self.sink is None else tuple(self.sink)
         body = (None, None) if self.body is None else tuple(self.body)
         recent = (None, None)
@@ -426,15 +445,17 @@ class BlockCache(GmlxCache):
             recent = (self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count))
         meta = (self.offset, self.newest, self.layer, *(getattr(self, name) for name in GEOMETRY),
                 *(self._shape or (None,) * 4), self.max_kv_size, self.dropped, *self.sliding_state())
-        return (*sink, *body, *recent, *meta, *(x for item in self.options.items() for x in item))
+        return (*sink, *body, *recent, *meta, *(x for item in self.options.items() for x in item), LAYOUT)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        sk, sv, bk, bv, rk, rv, offset, newest, layer, *rest = v
+        reader = None if saved.is_trusted() else saved.StateReader(v, type(self), LAYOUT, fixed=STATE_ITEMS)
+        items = list(v[:-1]) if reader is None else self._checked_items(reader)
+        sk, sv, bk, bv, rk, rv, offset, newest, layer, *rest = items
         geometry, shape, (max_kv_size, dropped, *sliding), pairs = rest[:3], rest[3:7], rest[7:11], rest[11:]
         options = dict(zip(pairs[0::2], pairs[1::2]))
         self.__init__(layer=layer, **options)
-        for name, value in zip(GEOMETRY, geometry):  # class attributes of the saving class, unless options
+        for name, value in zip(GEOMETRY, geometry):
             setattr(self, name, value)
         self.offset, self.newest, self.max_kv_size, self.dropped = offset, newest, max_kv_size, dropped
         self.restore_sliding(sliding)
@@ -448,6 +469,103 @@ class BlockCache(GmlxCache):
         if rk is not None:
             self.recent = KV(GrowingBuffer(STORE_DTYPE, rk), GrowingBuffer(STORE_DTYPE, rv))
             self.recent_count = rk.shape[2]
+        if reader is not None:
+            self._check_loaded(reader)
+
+    def _checked_items(self, r: saved.StateReader) -> list[Any]:
+        """A saved state's scalars and options checked, and the class built with them, before any array is used."""
+        items = r.items
+        if (len(items) - STATE_ITEMS) % 2:
+            raise r.fail(f"the options after the {STATE_ITEMS} fixed items are not name, value pairs")
+        r.name_layer(r.integer(r.present(items[8], "layer"), "layer", none=True))
+        offset = r.integer(r.present(items[6], "offset"), "offset")
+        r.integer(r.present(items[7], "newest"), "newest (tokens of the latest update)", high=offset)
+        for name, value in zip(GEOMETRY, items[9:12]):
+            r.integer(r.present(value, name), name, 1 if name == "block_tokens" else 0)
+        shape = [r.present(x, n) for x, n in zip(items[12:16], ("batch", "kv heads", "key head_dim", "value head_dim"))]
+        if any(x is not None for x in shape):
+            for x, n in zip(shape, ("batch", "kv heads", "key head_dim", "value head_dim")):
+                r.integer(x, n, 1)
+        r.integer(r.present(items[16], "max_kv_size"), "max_kv_size", 1, none=True)
+        r.integer(r.present(items[17], "dropped"), "dropped (tokens the window dropped)", high=offset)
+        for value, name in zip(items[18:20], ("sliding_window", "sliding_hold")):
+            r.integer(r.present(value, name), name, 1, none=True)
+        for i, region in ((0, "sink"), (4, "recent")):
+            if r.pair(items[i], items[i + 1], region):
+                for kind, x in zip("KV", items[i:i + 2]):
+                    if not isinstance(x, mx.array) or x.ndim != 4:
+                        raise r.fail(f"{region} {kind} is {saved.describe(x)}; expected a 4-d array (batch, kv "
+                                     "heads, tokens, head_dim)")
+        if r.pair(items[2], items[3], "blocks"):
+            for kind, parts in zip("KV", items[2:4]):
+                if not isinstance(parts, (list, tuple)) or not parts:
+                    raise r.fail(f"blocks {kind} is {saved.describe(parts)}; expected the parts of the encoded blocks")
+                for i, x in enumerate(parts):
+                    if not isinstance(r.present(x, f"blocks {kind} part {i}"), mx.array) or x.ndim < 3:
+                        raise r.fail(f"blocks {kind} part {i} is {saved.describe(x)}; expected an array (batch, "
+                                     "kv heads, blocks, ...)")
+        names = items[STATE_ITEMS::2]
+        if not all(isinstance(n, str) for n in names):
+            raise r.fail(f"option names {names!r}; expected strings")
+        options = dict(zip(names, items[STATE_ITEMS + 1::2]))
+        try:
+            type(self)(layer=items[8], **options)
+        except (ValueError, TypeError) as exc:
+            raise r.fail(f"the saved options {options} do not build a {type(self).__name__}: {exc}") from None
+        return items
+
+    def _check_loaded(self, r: saved.StateReader) -> None:
+        """The loaded arrays against the geometry: each array's shape and dtype, the regions adding up to the tokens
+        held with nothing due left unencoded, and (unless the loader says not to) every value finite."""
+        probe = type(self)(**self.options)  # the class's own geometry and options, to compare with the file's
+        for name in GEOMETRY:
+            if getattr(probe, name) != getattr(self, name):
+                raise r.fail(f"{name} is {getattr(self, name)} in the file; {type(self).__name__} with these options "
+                             f"has {getattr(probe, name)}")
+        try:
+            self.window_check(self.max_kv_size)
+        except ValueError as exc:
+            raise r.fail(f"max_kv_size: {exc}") from None
+        if self._shape is None:
+            if self.offset or self.sink is not None or self.body is not None or self.recent_count:
+                raise r.fail(f"holds tokens (offset {self.offset}) but no K/V shape")
+            return
+        b, h, dk, dv = self._shape
+        try:
+            self.check_head_dims(dk, dv)
+        except ValueError as exc:
+            raise r.fail(f"its K/V shape {self._shape}: {exc}") from None
+        sink = min(self.offset, self.sink_tokens)
+        for kind, d, x in (("K", dk, None if self.sink is None else self.sink.k),
+                           ("V", dv, None if self.sink is None else self.sink.v)):
+            if sink or x is not None:
+                r.array(x, f"sink {kind}", (b, h, sink, d), STORE_DTYPE)
+        blocks = self.n_blocks
+        for kind, d, parts in (("k", dk, self.body and self.body.k), ("v", dv, self.body and self.body.v)):
+            want = self._trial(kind, d)
+            if parts is None:
+                continue
+            if len(parts) != len(want):
+                raise r.fail(f"blocks {kind.upper()} have {len(parts)} parts; {type(self).__name__} encodes "
+                             f"{len(want)}")
+            for i, (x, w) in enumerate(zip(parts, want)):
+                r.array(x, f"blocks {kind.upper()} part {i}", (b, h, blocks, *w.shape[3:]), w.dtype)
+        recent = self.held - sink - blocks * self.block_tokens
+        if recent < 0:
+            raise r.fail(f"its sink ({sink}) and {blocks} blocks of {self.block_tokens} hold more than the "
+                         f"{self.held} tokens that offset {self.offset} less dropped {self.dropped} leave")
+        for kind, d, buf in (("K", dk, self.recent.k), ("V", dv, self.recent.v)):
+            if recent or self.recent_count:
+                r.array(buf.data if self.recent_count else None, f"recent {kind}", (b, h, recent, d), STORE_DTYPE)
+        if self.encode_on_arrival and self.newest:
+            raise r.fail(f"newest is {self.newest}; {type(self).__name__} encodes on arrival, so it is 0")
+        if self.due_blocks():
+            raise r.fail(f"{self.due_blocks()} complete blocks of its recent tokens are due to be encoded")
+        if saved.checks_finite():
+            try:
+                self.check_stored_finite()
+            except ValueError as exc:
+                raise r.fail(f"{str(exc).split(': ', 1)[-1]} (load with check_finite=False to inspect it)") from None
 
 
 @lru_cache(maxsize=1024)

@@ -8,9 +8,13 @@ import mlx.core as mx
 
 from ..records import KV
 from ..window import GROUP, SINK_TOKENS, groups_to_drop
+from . import saved
 from .base import GmlxCache, array_bytes
 
 STORE_DTYPE = mx.float16
+LAYOUT = "gmlx_lab.FP16Cache/1"  # the last item of `state`: a saved state of another layout is refused
+STATE_ITEMS = 12  # K, V, offset, layer, window size, dropped, sliding window and hold, the K/V shape
+SHAPE_NAMES = ("batch", "kv heads", "key head_dim", "value head_dim")
 
 
 def fill_sink(sink: KV | None, keys: mx.array, values: mx.array, room: int) -> tuple[KV, mx.array, mx.array]:
@@ -121,19 +125,70 @@ class FP16Cache(GmlxCache):
         used = total * self.held // cap if cap else 0
         return {"tokens": used, "reserve": total - used}
 
+    def stored_tokens(self) -> list[tuple[str, str, mx.array]]:
+        if not self.held:
+            return []
+        return [("tokens", "K", self.keys.view(self.held)), ("tokens", "V", self.values.view(self.held))]
+
     @property
     def state(self) -> tuple[Any, ...]:
-        meta = (self.offset, self.layer, self.max_kv_size, self.dropped, *self.sliding_state())
+        """K and V as held, then offset, layer, the rolling window (size, tokens dropped), the sliding-window
+        setting, the K/V shape (batch, kv heads, head dims) and the layout tag (`saved.py` checks a loaded
+        state against them)."""
+        meta = (self.offset, self.layer, self.max_kv_size, self.dropped, *self.sliding_state(),
+                *(self._shape or (None,) * 4), LAYOUT)
         if self.offset == 0:
             return (None, None, *meta)
         return (self.keys.view(self.held), self.values.view(self.held), *meta)
 
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
-        keys, values, offset, layer, max_kv_size, dropped, *sliding = v
+        reader = None if saved.is_trusted() else saved.StateReader(v, type(self), LAYOUT, fixed=STATE_ITEMS)
+        keys, values, offset, layer, max_kv_size, dropped, *sliding = v[:8]
+        shape = tuple(v[8:12])
+        if reader is not None:
+            self._check_scalars(reader, v[:-1])
         self.__init__(layer)
         self.offset, self.max_kv_size, self.dropped = offset, max_kv_size, dropped
         self.restore_sliding(sliding)
         self.keys.data, self.values.data = keys, values
-        if keys is not None:
-            self._shape = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        self._shape = None if None in shape else shape
+        if reader is not None:
+            self._check_loaded(reader, keys, values)
+
+    def _check_scalars(self, r: saved.StateReader, items: list[Any]) -> None:
+        """A saved state's scalars: in range, before anything is built from them (saved.py)."""
+        if len(items) != STATE_ITEMS:
+            raise r.fail(f"the saved state has {len(items)} items before its layout tag; {LAYOUT} has {STATE_ITEMS}")
+        r.name_layer(r.integer(r.present(items[3], "layer"), "layer", none=True))
+        offset = r.integer(r.present(items[2], "offset"), "offset")
+        r.integer(r.present(items[4], "max_kv_size"), "max_kv_size", 1, none=True)
+        r.integer(r.present(items[5], "dropped"), "dropped (tokens the window dropped)", high=offset)
+        for value, name in zip(items[6:8], ("sliding_window", "sliding_hold")):
+            r.integer(r.present(value, name), name, 1, none=True)
+        shape = [r.present(x, n) for x, n in zip(items[8:12], SHAPE_NAMES)]
+        if any(x is not None for x in shape):
+            for x, n in zip(shape, SHAPE_NAMES):
+                r.integer(x, n, 1)
+
+    def _check_loaded(self, r: saved.StateReader, keys: Any, values: Any) -> None:
+        """The loaded K/V against the scalars: the tokens held, the saved shape, fp16; then finite (saved.py)."""
+        try:
+            self.window_check(self.max_kv_size)
+        except ValueError as exc:
+            raise r.fail(f"max_kv_size: {exc}") from None
+        if not r.pair(keys, values, "tokens"):
+            if self.held:
+                raise r.fail(f"holds no K/V, but offset {self.offset} and dropped {self.dropped} say it holds "
+                             f"{self.held} tokens")
+            return
+        if self._shape is None:
+            raise r.fail(f"holds K/V {saved.describe(keys)} but no K/V shape")
+        b, h, dk, dv = self._shape
+        r.array(keys, "K", (b, h, self.held, dk), STORE_DTYPE)
+        r.array(values, "V", (b, h, self.held, dv), STORE_DTYPE)
+        if saved.checks_finite():
+            try:
+                self.check_stored_finite()
+            except ValueError as exc:
+                raise r.fail(f"{str(exc).split(': ', 1)[-1]} (load with check_finite=False to inspect it)") from None

@@ -1,0 +1,156 @@
+"""A saved cache is an input: the checks a cache's `state` setter runs on what a prompt-cache file holds.
+
+mlx-lm's `load_prompt_cache` rebuilds each cache with `cls.from_state(state)`, which sets `state`. The gmlx_lab
+caches check there, before anything uses the cache: the layout version, the scalars' types and ranges, each
+array's shape and dtype against the scheme's geometry and the stored offset, the regions against one another,
+and (unless the caller says not to) that every value the cache holds is finite. Whatever is wrong raises one
+`SavedCacheError` that names the layer, the item, what it holds and what was expected. `load_prompt_cache`
+here reads the file as mlx-lm's does and adds the file's name and the cache's place in it; it also turns a
+truncated or foreign file into that error. A deep copy rebuilds a live cache from its own state: `trusted()`
+skips the checks there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
+from mlx.utils import tree_unflatten
+
+__all__ = ["SavedCacheError", "StateReader", "checks_finite", "describe", "load_prompt_cache", "trusted"]
+
+_TRUSTED = contextvars.ContextVar("gmlx_lab_state_trusted", default=False)
+_FINITE = contextvars.ContextVar("gmlx_lab_state_finite", default=True)
+
+
+class SavedCacheError(ValueError):
+    """A saved cache that does not hold what its class and geometry say it must."""
+
+
+@contextlib.contextmanager
+def trusted() -> Iterator[None]:
+    """Within: `state` setters take the state as it is (a deep copy of a live cache, already checked)."""
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
+
+
+def is_trusted() -> bool:
+    return _TRUSTED.get()
+
+
+def checks_finite() -> bool:
+    """Whether a state being loaded is scanned for inf/nan (True unless `load_prompt_cache(check_finite=False)`)."""
+    return _FINITE.get()
+
+
+def describe(x: Any) -> str:
+    """What a saved item holds, for a message: an array's shape and dtype, else its type."""
+    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, mx.array) else type(x).__name__
+
+
+class StateReader:
+    """Reads one cache's state item by item, raising SavedCacheError with the layer and the item named."""
+
+    def __init__(self, state: Any, cls: type, layout: str, fixed: int):
+        self.cls = cls.__name__
+        self.where = self.cls
+        if not isinstance(state, (list, tuple)) or not state:
+            raise SavedCacheError(f"{self.cls}: a saved state is a list of arrays and scalars, got "
+                                  f"{type(state).__name__}")
+        found = state[-1]
+        if found != layout:
+            said = repr(found) if isinstance(found, str) else "no layout version"
+            raise SavedCacheError(f"{self.cls}: the file was saved in layout {said}; this gmlx_lab reads {layout!r} "
+                                  "(save the cache again with this version)")
+        self.items = list(state[:-1])
+        if len(self.items) < fixed:
+            raise SavedCacheError(f"{self.cls}: the saved state has {len(self.items)} items before its layout tag; "
+                                  f"{layout} has at least {fixed}")
+
+    def name_layer(self, layer: Any) -> None:
+        """Name the layer in later messages, once its item is read."""
+        self.where = f"layer {layer} ({self.cls})" if layer is not None else self.cls
+
+    def fail(self, message: str) -> SavedCacheError:
+        return SavedCacheError(f"{self.where}: {message}")
+
+    def integer(self, value: Any, name: str, low: int = 0, high: int | None = None, none: bool = False) -> Any:
+        """An int in [low, high] (None allowed where `none`)."""
+        if value is None and none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(f"{name} is {value!r}; expected an int" + (" or None" if none else ""))
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise self.fail(f"{name} is {value}; expected an int {span}")
+        return value
+
+    def present(self, value: Any, name: str) -> Any:
+        """An item the file holds (mlx-lm's tree_unflatten leaves {} where a saved item is missing)."""
+        if isinstance(value, dict):
+            raise self.fail(f"{name} is missing from the file")
+        return value
+
+    def array(self, value: Any, name: str, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+        """An mx.array of exactly this shape and dtype."""
+        value = self.present(value, name)
+        if not isinstance(value, mx.array):
+            raise self.fail(f"{name} is {describe(value)}; expected an array {shape} {dtype}")
+        if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+            raise self.fail(f"{name} holds {tuple(value.shape)} {value.dtype}; expected {tuple(shape)} {dtype}")
+        return value
+
+    def pair(self, k: Any, v: Any, name: str) -> bool:
+        """True if a K/V pair is saved, False if both are None (the region is empty); a half pair is refused."""
+        k, v = self.present(k, f"{name} K"), self.present(v, f"{name} V")
+        if (k is None) != (v is None):
+            raise self.fail(f"{name} has {'K' if v is None else 'V'} but not {'V' if v is None else 'K'}")
+        return k is not None
+
+
+def load_prompt_cache(path: str | Path, return_metadata: bool = False, check_finite: bool = True) -> Any:
+    """mlx-lm's `load_prompt_cache`, with every error naming the file and the cache's place in it, and the
+    finiteness scan of each cache's stored values unless `check_finite=False` (`check_finite()` runs it later)."""
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise SavedCacheError(f"{path}: cannot be read as a prompt-cache file ({exc})") from None
+    try:
+        metadata, classes, scalars = tree_unflatten(list(meta.items()))
+    except (ValueError, TypeError, KeyError):
+        raise SavedCacheError(f"{path}: its metadata is not a prompt cache's (mlx-lm's save_prompt_cache writes "
+                              "the user's metadata, the cache classes and the kinds of the scalars)") from None
+    kinds = {"scalar": lambda a: a.item(), "string": lambda a: "".join(chr(i) for i in a.tolist()),
+             "none": lambda a: None}
+    for pos, kind in scalars[1:]:
+        if pos not in arrays:
+            raise SavedCacheError(f"{path}: cache {pos.split('.')[0]}'s state item {pos} (a {kind}) is missing")
+        if kind not in kinds:
+            raise SavedCacheError(f"{path}: item {pos} has scalar kind {kind!r}; accepted: {', '.join(kinds)}")
+        arrays[pos] = kinds[kind](arrays[pos])
+    states = tree_unflatten(list(arrays.items())) if arrays else []
+    if len(states) != len(classes):
+        raise SavedCacheError(f"{path}: {len(classes)} cache classes but {len(states)} saved states")
+    caches = []
+    token = _FINITE.set(check_finite)
+    try:
+        for i, (name, state) in enumerate(zip(classes, states)):
+            cls = getattr(mlx_cache, name, None)
+            if cls is None:
+                raise SavedCacheError(f"{path}: cache {i} is a {name}, a class neither mlx-lm nor a registered "
+                                      "gmlx_lab scheme defines (import the plug-in that registers it first)")
+            try:
+                caches.append(cls.from_state(state))
+            except SavedCacheError as exc:
+                raise SavedCacheError(f"{path}, cache {i}: {exc}") from None
+    finally:
+        _FINITE.reset(token)
+    return (caches, metadata) if return_metadata else caches
