@@ -69,8 +69,8 @@ from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from gmlx_lab import make_cache
 from gmlx_lab.cache import AffineCache, GmlxCache, KVarNCache
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
-from gmlx_lab.fidelity import parse_scheme_spec, scheme_label
 from gmlx_lab.kernels import active_backend, config, precompiled
+from gmlx_lab.measure.fidelity import parse_scheme_spec, scheme_label
 from gmlx_lab.policy import model_name
 
 MLX_LM_SCHEMES = {"mlx_lm_fp16": None, "mlx_lm_affine8": 8, "mlx_lm_affine4": 4}

@@ -11,16 +11,13 @@ Tiers, lowest first (a module imports only from its own tier or below; tests/tes
 
 __version__ = "0.1.0"
 
-import sys
-from importlib import import_module
-
 from . import (
     mlx_lm_hooks,
     schemes,  # noqa: F401  (registers the built-in schemes, and their cache classes in mlx-lm)
 )
 from .cache import AffineCache, AffineRotCache, BlockCache, BlockScheme, FP16Cache, KVarNCache
 from .cache.saved import SavedCacheError, load_prompt_cache
-from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.memory etc., as before)
+from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.tradeoff.versus, ...)
 from .measure.audit import audit
 from .measure.fidelity import fidelity
 from .models import available_models, load
@@ -29,12 +26,6 @@ from .registry import SCHEMES, Option, Scheme, get_scheme, register_scheme
 from .specs import parse_scheme_spec
 
 mlx_lm_hooks.install()  # mlx-lm's attention routes to a cache's own `attend` (the one change gmlx_lab makes there)
-
-# The measurement modules' paths before they moved into gmlx_lab/measure/ still import (`from gmlx_lab.fidelity
-# import fidelity` in notebooks and scripts written before); `gmlx_lab.fidelity` and `gmlx_lab.audit` are the
-# functions.
-for _name in ("experiments", "fidelity", "memory", "metrics", "tradeoff"):
-    sys.modules[f"{__name__}.{_name}"] = import_module(f"{__name__}.measure.{_name}")
 
 __all__ = [
     "SCHEMES", "AffineCache", "AffineRotCache", "BlockCache", "BlockScheme", "FP16Cache", "KVarNCache", "Option",

@@ -250,10 +250,6 @@ class LiveCompare:
             pass
         return self
 
-    def kl_summary(self) -> dict[str, float]:
-        """Mean KL per generated token of each column, by label (fp16: 0)."""
-        return {c.label: float(np.mean(c.kl)) if c.kl else 0.0 for c in self.columns}
-
     def parted_at(self, col: LiveColumn) -> int | None:
         """The first token where `col`'s text differs from fp16's (None: the same all along)."""
         return first_divergence(self.columns[0].tokens, col.tokens)

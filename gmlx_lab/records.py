@@ -187,20 +187,6 @@ class Records:
         """Records along axis 2 of a cache body (B, H, R, S, ...)."""
         return self.codes.shape[2]
 
-    def concat(self, later: Records) -> Records:
-        """These records followed by `later` along the record axis (2) of a cache body."""
-        parts = [mx.concatenate([a, b], axis=2) for a, b in zip(self.arrays, later.arrays)]
-        return Records(*parts, bits=self.bits, kind=self.kind)
-
-    def drop_first(self, n: int) -> Records:
-        """These records without the first `n` along the record axis (2) of a cache body (a rolling window)."""
-        return Records(*(mx.contiguous(a[:, :, n:]) for a in self.arrays), bits=self.bits, kind=self.kind)
-
-    def drop_last(self, n: int) -> Records:
-        """These records without the last `n` along the record axis (2) of a cache body (a trim)."""
-        return Records(*(mx.contiguous(a[:, :, :a.shape[2] - n]) for a in self.arrays), bits=self.bits,
-                       kind=self.kind)
-
     def take(self, index: tuple) -> Records:
         """The records at `index` of every field (e.g. one head's record), without the imbalances."""
         return replace(self, codes=self.codes[index], scale_axis=self.scale_axis[index],

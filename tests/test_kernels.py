@@ -500,10 +500,6 @@ def test_kernel_settings_explicit_beats_environment(monkeypatch: pytest.MonkeyPa
         with pytest.raises(ValueError, match="GMLX_KVARN_RING='sometimes'; accepted: auto, on, off"):
             config.reload_environment()
         monkeypatch.delenv("GMLX_KVARN_RING")
-        monkeypatch.setenv("GMLX_KVARN_PREFETCH", "1")
-        with pytest.raises(ValueError, match="GMLX_KVARN_PREFETCH is no longer read; use GMLX_KVARN_RING"):
-            config.reload_environment()
-        monkeypatch.delenv("GMLX_KVARN_PREFETCH")
         with pytest.raises(ValueError, match="accepted: True/False"):
             config.configured(merge_in_kernel="yes").__enter__()
         with pytest.raises(ValueError, match="no kernel setting prefetch"):

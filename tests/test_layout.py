@@ -106,16 +106,17 @@ def test_the_gpu_marker_says_what_happens_without_a_gpu(request: pytest.FixtureR
                 assert item.callspec.params["kernel_source"] in ("cuda", "metal")
 
 
-def test_the_measurement_modules_old_paths_still_import() -> None:
-    """Notebooks and scripts written before gmlx_lab/measure/ existed import gmlx_lab.fidelity etc."""
+def test_the_measurement_modules_have_one_path() -> None:
+    """gmlx_lab/measure/ is where they live: no second path under gmlx_lab (a 0.1.0 package keeps no aliases)."""
+    import importlib
+
     import gmlx_lab
     from gmlx_lab import measure, tradeoff
-    from gmlx_lab.fidelity import AuditError, parse_scheme_spec
-    from gmlx_lab.memory import memory_report
 
-    assert tradeoff is measure.tradeoff and memory_report is measure.memory.memory_report
-    assert parse_scheme_spec is gmlx_lab.parse_scheme_spec and AuditError is measure.audit.AuditError
-    assert callable(gmlx_lab.fidelity) and callable(gmlx_lab.audit)  # the functions, as before
+    assert tradeoff is measure.tradeoff and callable(gmlx_lab.fidelity) and callable(gmlx_lab.audit)
+    for name in ("experiments", "fidelity", "memory", "metrics", "tradeoff"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"gmlx_lab.{name}")
 
 
 def mlx_lm_patches(path: Path) -> list[str]:

@@ -34,9 +34,6 @@ class KernelConfig:
 ENVIRONMENT = {"compile_graphs": "GMLX_COMPILE_DECODE", "ring": "GMLX_KVARN_RING",
                "merge_in_kernel": "GMLX_MERGE_IN_KERNEL", "kernel_cache": "GMLX_KERNEL_CACHE",
                "fp16_per_warp": "GMLX_KVARN_FP16_PER_WARP"}
-# variables of earlier versions: refused with what replaced them, rather than ignored
-RETIRED = {"GMLX_KVARN_PREFETCH": "GMLX_KVARN_RING=auto|on|off (prefetch levels 1 and 2 were removed)",
-           "GMLX_KVARN_MIN_BLOCKS": "nothing (kvarn_decode's launch bounds are fixed: 3 threadgroups a multiprocessor)"}
 FLAGS = {"1": True, "0": False}
 
 
@@ -57,10 +54,7 @@ def parse(field: str, value: Any, source: str | None = None) -> Any:
 
 
 def from_environment(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """The settings the environment gives (only those set), checked; retired variables are refused."""
-    for name, instead in RETIRED.items():
-        if name in environ:
-            raise ValueError(f"{name} is no longer read; use {instead}")
+    """The settings the environment gives (only those set), checked."""
     return {f: parse(f, environ[name], name) for f, name in ENVIRONMENT.items() if name in environ}
 
 

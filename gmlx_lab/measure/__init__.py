@@ -13,5 +13,5 @@
     verdict      which scheme when: the committed banded results as recommendations by memory budget and context
 
 They sit above the caches, the policy and the spec grammar (gmlx_lab.specs), and below the figures and
-widgets. Their old paths (gmlx_lab.fidelity, gmlx_lab.memory, ...) still import (gmlx_lab/__init__.py).
+widgets. `gmlx_lab.fidelity` and `gmlx_lab.audit` are the functions; the modules live here.
 """

@@ -48,10 +48,6 @@ class FloatScheme(BlockScheme):
         return {name + rot: {"bits": b, "group_size": g, "rotation": int(bool(rot))}
                 for (b, g), name in FORMATS.items() for rot in ("", "_rot")}
 
-    def bytes_per_token(self, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
-        """Bytes per encoded token and head: (dk + dv) * (bits / 8 + 1 / group_size), one uint8 scale a group."""
-        return (k_dim + v_dim) * (options["bits"] / 8 + 1 / options["group_size"])
-
 
 SCHEME = register_scheme(FloatScheme(
     "float", "microscaling floats per token (mxfp4, nvfp4, mxfp8 via mx.quantize), Hadamard rotation optional",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache.block import BlockScheme
-from ..cache.kivi import KIVI_BITS, V_GROUP, KiviCache
+from ..cache.kivi import KIVI_BITS, KiviCache
 from ..registry import Option, register_scheme
 from .field_options import split_widths, with_sink
 
@@ -34,13 +34,6 @@ class KiviScheme(BlockScheme):
     def label(self, values: dict[str, Any]) -> str:
         """`kivi2 tail=128`, `kivi k2v4 tail=128 sink=4`."""
         return with_sink(super().label(values), values)
-
-    def bytes_per_token(self, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
-        """Bytes per encoded token and head (the block base's formula, closed): K dk * (k_bits / 8 + 4 / 32), codes
-        plus an fp16 scale and offset per channel and block of 32 tokens; V dv * (v_bits / 8 + 4 / 32), codes plus
-        an fp16 scale and offset per 32 channels."""
-        block = self.cache_class.block_tokens
-        return k_dim * (options["k_bits"] / 8 + 4 / block) + v_dim * (options["v_bits"] / 8 + 4 / V_GROUP)
 
 
 SCHEME = register_scheme(KiviScheme(

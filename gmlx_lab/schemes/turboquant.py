@@ -8,7 +8,6 @@ What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +41,6 @@ class TurboQuantScheme(BlockScheme):
         label += " qjl" if values["qjl"] else ""
         label += f" tail={values['kv_tail_tokens']}" if values["kv_tail_tokens"] else ""
         return with_sink(label, values)
-
-    def bytes_per_token(self, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
-        """Bytes per encoded token and head: each of K and V ceil(d * bits / 32) uint32 words of codes and an fp16
-        norm; with qjl K's codes are k_bits - 1 wide and K adds ceil(dk / 32) words of signs and an fp16 norm."""
-        qjl = options["qjl"]
-        k_bits = options["k_bits"] - qjl
-        out = 4 * math.ceil(k_dim * k_bits / 32) + 2 + 4 * math.ceil(v_dim * options["v_bits"] / 32) + 2
-        return out + qjl * (4 * math.ceil(k_dim / 32) + 2)
 
 
 SCHEME = register_scheme(TurboQuantScheme(

@@ -37,11 +37,6 @@ class AffineRow:
     bits: int
     group_size: int
 
-    @property
-    def stored_bits_per_value(self) -> float:
-        """Code bits plus the share of the fp16 scale and offset: bits + 32 / group_size."""
-        return self.bits + 32 / self.group_size
-
 
 def affine_row(row: np.ndarray, bits: int = 4, group_size: int = 64) -> AffineRow:
     """Quantize one row with `mx.quantize` (affine mode, fp16 scales) and unpack its codes for display."""
