@@ -116,3 +116,11 @@ def test_load_pages_refuses_a_notebook_it_did_not_execute(tmp_path: Path) -> Non
         book.load_pages(tmp_path, ["00_x.ipynb"])
     with pytest.raises(FileNotFoundError, match="01_y.ipynb not found"):
         book.load_pages(tmp_path, ["01_y.ipynb"])
+
+
+def test_each_page_is_titled_by_its_notebook(tmp_path: Path) -> None:
+    """The browser tab and history name the page ("03 · Records · gmlx_lab"), not nbconvert's "Notebook"."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 03 · Records\n\nWhat a record holds.")])
+    page = site.Page(tmp_path / "03_records.ipynb", nb, 1.0)
+    (written,) = site.build_site([page], tmp_path / "site", None, "now", "here")
+    assert "<title>03 · Records · gmlx_lab</title>" in written.read_text()

@@ -160,7 +160,9 @@ def build_site(pages: list[Page], out: Path, repo: str | None, executed: str, ma
             "binder_url": binder_url(repo, f"notebooks/{page.path.name}"),
             "previous": pages[i - 1] if i > 0 else None, "next": pages[i + 1] if i + 1 < len(pages) else None,
         }
-        body, _ = exporter.from_notebook_node(static_notebook(page.nb), resources={"book": book})
+        nb = static_notebook(page.nb)
+        nb.metadata["title"] = f"{page.number} · {page.title} · gmlx_lab"  # the browser tab's, not "Notebook"
+        body, _ = exporter.from_notebook_node(nb, resources={"book": book})
         target = out / page.href
         target.write_text(body, encoding="utf-8")
         written.append(target)

@@ -7,7 +7,6 @@ gmlx_lab.experiments; the figures gmlx_lab.viz.
 
 from __future__ import annotations
 
-import html
 import time
 from typing import Any
 
@@ -107,7 +106,7 @@ class PasskeyApp(_App):
                     f"{'only the global layers' if first.distance > window else 'the sliding-window layers too'} "
                     "can attend to it." if window else "."))
         display(figures.Table(rows, f"{self.result.model}, {first.tokens}-token prompt"))
-        display(W.HTML(f"<p>{html.escape(where)}</p>"))
+        display(Say(where))  # not a widget: the book draws an output widget's displays as their text
 
 
 class DraftApp(_App):
