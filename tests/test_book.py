@@ -124,3 +124,15 @@ def test_each_page_is_titled_by_its_notebook(tmp_path: Path) -> None:
     page = site.Page(tmp_path / "03_records.ipynb", nb, 1.0)
     (written,) = site.build_site([page], tmp_path / "site", None, "now", "here")
     assert "<title>03 · Records · gmlx_lab</title>" in written.read_text()
+
+
+def test_folded_code_sits_behind_details_in_the_book(tmp_path: Path) -> None:
+    prose = nbformat.v4.new_code_cell("viz.say('a takeaway')", metadata={"jupyter": {"source_hidden": True}})
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 05 · Policy"), prose,
+                                         nbformat.v4.new_code_cell("figure()")])
+    (written,) = site.build_site([site.Page(tmp_path / "05_policy.ipynb", nb, 1.0)], tmp_path / "site", None, "now",
+                                 "here")
+    text = written.read_text()
+    folded, after = text.split('<details class="book-code">')[1].split("</details>", 1)
+    assert text.count('<details class="book-code">') == 1 and "takeaway" in folded and ">figure<" in after
+    assert site.writes_prose("x = 1\nviz.say(f'{x}')") and not site.writes_prose("display(fig)\nviz.say('x')")

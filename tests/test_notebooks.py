@@ -74,3 +74,14 @@ def test_plotlyjs_changes_nothing_outside_a_kernel() -> None:
 
     before = pio.renderers.default
     assert plotlyjs.install(None) is False and pio.renderers.default == before
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_cells_that_write_the_text_are_folded(path: Path) -> None:
+    """A cell that only writes the page's text from measured values (its last statement `viz.say`, nothing else
+    displayed) has its code folded: collapsed in JupyterLab, behind a <details> in the book."""
+    from gmlx_lab.book.site import source_hidden, writes_prose
+
+    nb = nbformat.read(path, as_version=4)
+    shown = [c.id for c in nb.cells if c.cell_type == "code" and writes_prose(c.source) and not source_hidden(c)]
+    assert shown == [], f"{path.name}: set metadata.jupyter.source_hidden on these prose cells"

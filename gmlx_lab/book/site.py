@@ -7,6 +7,7 @@ zoom), and widgets are drawn statically from their saved state (`gmlx_lab.book.w
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 import html
@@ -54,6 +55,22 @@ class Page:
         paragraphs = self.nb.cells[0].source.split("\n\n")[1:] if self.nb.cells else []
         text = " ".join(paragraphs[0].split()) if paragraphs else ""
         return re.sub(r"[*`]", "", text)
+
+
+def writes_prose(source: str) -> bool:
+    """A code cell whose last statement is `viz.say(...)` and which displays nothing else: it writes the page's
+    text from measured values, so its code is folded (JupyterLab's `source_hidden`, a <details> in the book)."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return False
+    last = body[-1] if body else None
+    return (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
+            and ast.unparse(last.value.func) == "viz.say" and "display(" not in source)
+
+
+def source_hidden(cell: dict[str, Any]) -> bool:
+    return bool(cell.get("metadata", {}).get("jupyter", {}).get("source_hidden"))
 
 
 def plotly_html(figure: dict[str, Any]) -> str:
