@@ -136,3 +136,22 @@ def test_folded_code_sits_behind_details_in_the_book(tmp_path: Path) -> None:
     folded, after = text.split('<details class="book-code">')[1].split("</details>", 1)
     assert text.count('<details class="book-code">') == 1 and "takeaway" in folded and ">figure<" in after
     assert site.writes_prose("x = 1\nviz.say(f'{x}')") and not site.writes_prose("display(fig)\nviz.say('x')")
+
+
+def test_links_between_notebooks_go_to_their_pages() -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "A [record](13_glossary.ipynb#record), [the README](../README.md), `13_glossary.ipynb`.")])
+    assert site.static_notebook(nb).cells[0].source == (
+        "A [record](13_glossary.html#record), [the README](../README.md), `13_glossary.ipynb`.")
+
+
+def test_every_glossary_link_names_a_term_there() -> None:
+    """Each `13_glossary.ipynb#anchor` in the notebooks is a heading of the glossary (JupyterLab and nbconvert
+    both make a heading's text its anchor)."""
+    folder = Path(__file__).resolve().parents[1] / "notebooks"
+    glossary = nbformat.read(folder / "13_glossary.ipynb", as_version=4)
+    anchors = {line.lstrip("#").strip() for c in glossary.cells if c.cell_type == "markdown"
+               for line in c.source.splitlines() if line.startswith("### ")}
+    links = {(p.name, a) for p in folder.glob("*.ipynb") for c in nbformat.read(p, as_version=4).cells
+             if c.cell_type == "markdown" for a in re.findall(r"13_glossary\.ipynb#([\w-]+)", c.source)}
+    assert len(links) >= 10 and {a for _, a in links} <= anchors, sorted(a for _, a in links if a not in anchors)

@@ -441,6 +441,11 @@ def test_book_site_renders(browser: Browser, served_book) -> None:
             assert "make lab" in run_box and "make test" in run_box and "Binder" in run_box, target.name
             binder = page.locator("a.book-binder").get_attribute("href")
             assert binder.endswith(f"labpath=notebooks/{target.with_suffix('.ipynb').name}")
+            assert page.title().startswith(f"{target.name[:2]} · ") and page.title().endswith(" · gmlx_lab")
+            hrefs = page.locator("a[href$='.html'], a[href*='.html#']").evaluate_all(
+                "links => links.map(a => a.getAttribute('href'))")
+            missing = [h for h in hrefs if "://" not in h and not (target.parent / h.split("#")[0]).is_file()]
+            assert not missing, f"{target.name} links to pages the book lacks: {missing}"
             page.screenshot(path=str(shots / target.with_suffix(".png").name))
             if figures and not hovered:
                 hovered = _hover_label(page)

@@ -16,7 +16,7 @@ CHECKED = "# NBVAL_CHECK_OUTPUT"
 
 
 def test_the_notebooks_are_numbered() -> None:
-    assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(13)]
+    assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(14)]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -110,6 +110,9 @@ def outputs_html(outputs: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
+NOTEBOOK_LINK = re.compile(r"\]\((\d\d_[\w-]+)\.ipynb")  # [text](04_sink_and_tail.ipynb#sink)
+
+
 def static_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """A copy of an executed notebook whose plotly figures and widget views are HTML a static page can show.
 
@@ -119,6 +122,8 @@ def static_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     nb = copy.deepcopy(nb)
     widgets = StaticWidgets(widget_state(nb), outputs_html)
     for cell in nb.cells:
+        if cell.cell_type == "markdown":  # a link to another notebook goes to its page
+            cell.source = NOTEBOOK_LINK.sub(r"](\1.html", cell.source)
         if "outputs" in cell:
             cell.outputs = [out for out in cell.outputs if not _is_plotlyjs(out)]
         for out in cell.get("outputs", []):
