@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 
 from ..measure.banded import Row
@@ -51,7 +53,8 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
     """Mean KL(fp16 || scheme) with its 95% band against stored bytes as a share of fp16's; a slider picks the context.
 
     One line a scheme (and tail), through its widths; fp16 is the dashed line at 100% (its KL is 0); dotted lines
-    mark the budgets of the recommendation table. Each context is a frame, so the figure moves without a kernel.
+    mark the budgets of the recommendation table; a grey band marks the KL floor of rows computed in fp16
+    (`VerdictResults.kl_floor`). Each context is a frame, so the figure moves without a kernel.
     """
     contexts = results.contexts
     families = list(dict.fromkeys(_family(r) for r in results.rows if r.scheme != BASELINE))
@@ -75,6 +78,13 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
         fig.add_vline(x=100 * b, line={"color": "#999999", "dash": "dot", "width": 1},
                       annotation_text=f"budget {100 * b:.0f}%", annotation_position="top left",
                       annotation_font_size=9)
+    if results.kl_floor:  # computed in fp16: below this KL the arithmetic, not the cache, moves the output
+        fig.add_hrect(y0=min(values + [results.kl_floor]) / 2, y1=results.kl_floor, line_width=0,
+                      fillcolor="#999999", opacity=0.15)
+        # an annotation on a log axis takes log10 of its position (a shape takes the value itself)
+        fig.add_annotation(xref="paper", x=0.01, y=math.log10(results.kl_floor), yanchor="top", xanchor="left",
+                           showarrow=False, font={"size": 10, "color": "#555555"},
+                           text=f"below {results.kl_floor:g}: fp16 arithmetic's floor, not ranked")
     lowest = min([100 * r.share for r in results.rows] + [100 * b for b in budgets])
     fig.update_layout(
         title=title(contexts[0]), height=560, margin={"t": 70, "b": 110},
