@@ -454,8 +454,16 @@ class BlockCache(GmlxCache):
         sk, sv, bk, bv, rk, rv, offset, newest, layer, *rest = items
         geometry, shape, (max_kv_size, dropped, *sliding), pairs = rest[:3], rest[3:7], rest[7:11], rest[11:]
         options = dict(zip(pairs[0::2], pairs[1::2]))
-        self.__init__(layer=layer, **options)
+        try:
+            self.__init__(layer=layer, **options)
+        except (ValueError, TypeError) as exc:
+            if reader is None:
+                raise
+            raise reader.fail(f"the saved options {options} do not build a {type(self).__name__}: {exc}") from None
         for name, value in zip(GEOMETRY, geometry):
+            if reader is not None and getattr(self, name) != value:
+                raise reader.fail(f"{name} is {value} in the file; {type(self).__name__} with these options has "
+                                  f"{getattr(self, name)}")
             setattr(self, name, value)
         self.offset, self.newest, self.max_kv_size, self.dropped = offset, newest, max_kv_size, dropped
         self.restore_sliding(sliding)
@@ -473,23 +481,15 @@ class BlockCache(GmlxCache):
             self._check_loaded(reader)
 
     def _checked_items(self, r: saved.StateReader) -> list[Any]:
-        """A saved state's scalars and options checked, and the class built with them, before any array is used."""
+        """A saved state's items checked before anything is built from them: scalars in range, arrays in place."""
         items = r.items
         if (len(items) - STATE_ITEMS) % 2:
             raise r.fail(f"the options after the {STATE_ITEMS} fixed items are not name, value pairs")
-        r.name_layer(r.integer(r.present(items[8], "layer"), "layer", none=True))
-        offset = r.integer(r.present(items[6], "offset"), "offset")
+        offset = r.common({"layer": items[8], "offset": items[6], "max_kv_size": items[16], "dropped": items[17],
+                           "sliding_window": items[18], "sliding_hold": items[19], "shape": items[12:16]})
         r.integer(r.present(items[7], "newest"), "newest (tokens of the latest update)", high=offset)
         for name, value in zip(GEOMETRY, items[9:12]):
             r.integer(r.present(value, name), name, 1 if name == "block_tokens" else 0)
-        shape = [r.present(x, n) for x, n in zip(items[12:16], ("batch", "kv heads", "key head_dim", "value head_dim"))]
-        if any(x is not None for x in shape):
-            for x, n in zip(shape, ("batch", "kv heads", "key head_dim", "value head_dim")):
-                r.integer(x, n, 1)
-        r.integer(r.present(items[16], "max_kv_size"), "max_kv_size", 1, none=True)
-        r.integer(r.present(items[17], "dropped"), "dropped (tokens the window dropped)", high=offset)
-        for value, name in zip(items[18:20], ("sliding_window", "sliding_hold")):
-            r.integer(r.present(value, name), name, 1, none=True)
         for i, region in ((0, "sink"), (4, "recent")):
             if r.pair(items[i], items[i + 1], region):
                 for kind, x in zip("KV", items[i:i + 2]):
@@ -507,28 +507,15 @@ class BlockCache(GmlxCache):
         names = items[STATE_ITEMS::2]
         if not all(isinstance(n, str) for n in names):
             raise r.fail(f"option names {names!r}; expected strings")
-        options = dict(zip(names, items[STATE_ITEMS + 1::2]))
-        try:
-            type(self)(layer=items[8], **options)
-        except (ValueError, TypeError) as exc:
-            raise r.fail(f"the saved options {options} do not build a {type(self).__name__}: {exc}") from None
         return items
 
     def _check_loaded(self, r: saved.StateReader) -> None:
         """The loaded arrays against the geometry: each array's shape and dtype, the regions adding up to the tokens
         held with nothing due left unencoded, and (unless the loader says not to) every value finite."""
-        probe = type(self)(**self.options)  # the class's own geometry and options, to compare with the file's
-        for name in GEOMETRY:
-            if getattr(probe, name) != getattr(self, name):
-                raise r.fail(f"{name} is {getattr(self, name)} in the file; {type(self).__name__} with these options "
-                             f"has {getattr(probe, name)}")
-        try:
-            self.window_check(self.max_kv_size)
-        except ValueError as exc:
-            raise r.fail(f"max_kv_size: {exc}") from None
         if self._shape is None:
             if self.offset or self.sink is not None or self.body is not None or self.recent_count:
                 raise r.fail(f"holds tokens (offset {self.offset}) but no K/V shape")
+            r.held_state(self)
             return
         b, h, dk, dv = self._shape
         try:
@@ -542,9 +529,9 @@ class BlockCache(GmlxCache):
                 r.array(x, f"sink {kind}", (b, h, sink, d), STORE_DTYPE)
         blocks = self.n_blocks
         for kind, d, parts in (("k", dk, self.body and self.body.k), ("v", dv, self.body and self.body.v)):
-            want = self._trial(kind, d)
             if parts is None:
                 continue
+            want = self._trial(kind, d)
             if len(parts) != len(want):
                 raise r.fail(f"blocks {kind.upper()} have {len(parts)} parts; {type(self).__name__} encodes "
                              f"{len(want)}")
@@ -561,11 +548,7 @@ class BlockCache(GmlxCache):
             raise r.fail(f"newest is {self.newest}; {type(self).__name__} encodes on arrival, so it is 0")
         if self.due_blocks():
             raise r.fail(f"{self.due_blocks()} complete blocks of its recent tokens are due to be encoded")
-        if saved.checks_finite():
-            try:
-                self.check_stored_finite()
-            except ValueError as exc:
-                raise r.fail(f"{str(exc).split(': ', 1)[-1]} (load with check_finite=False to inspect it)") from None
+        r.held_state(self)
 
 
 @lru_cache(maxsize=1024)

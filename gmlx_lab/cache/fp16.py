@@ -14,7 +14,6 @@ from .base import GmlxCache, array_bytes
 STORE_DTYPE = mx.float16
 LAYOUT = "gmlx_lab.FP16Cache/1"  # the last item of `state`: a saved state of another layout is refused
 STATE_ITEMS = 12  # K, V, offset, layer, window size, dropped, sliding window and hold, the K/V shape
-SHAPE_NAMES = ("batch", "kv heads", "key head_dim", "value head_dim")
 
 
 def fill_sink(sink: KV | None, keys: mx.array, values: mx.array, room: int) -> tuple[KV, mx.array, mx.array]:
@@ -160,35 +159,20 @@ class FP16Cache(GmlxCache):
         """A saved state's scalars: in range, before anything is built from them (saved.py)."""
         if len(items) != STATE_ITEMS:
             raise r.fail(f"the saved state has {len(items)} items before its layout tag; {LAYOUT} has {STATE_ITEMS}")
-        r.name_layer(r.integer(r.present(items[3], "layer"), "layer", none=True))
-        offset = r.integer(r.present(items[2], "offset"), "offset")
-        r.integer(r.present(items[4], "max_kv_size"), "max_kv_size", 1, none=True)
-        r.integer(r.present(items[5], "dropped"), "dropped (tokens the window dropped)", high=offset)
-        for value, name in zip(items[6:8], ("sliding_window", "sliding_hold")):
-            r.integer(r.present(value, name), name, 1, none=True)
-        shape = [r.present(x, n) for x, n in zip(items[8:12], SHAPE_NAMES)]
-        if any(x is not None for x in shape):
-            for x, n in zip(shape, SHAPE_NAMES):
-                r.integer(x, n, 1)
+        r.common({"layer": items[3], "offset": items[2], "max_kv_size": items[4], "dropped": items[5],
+                  "sliding_window": items[6], "sliding_hold": items[7], "shape": items[8:12]})
 
     def _check_loaded(self, r: saved.StateReader, keys: Any, values: Any) -> None:
         """The loaded K/V against the scalars: the tokens held, the saved shape, fp16; then finite (saved.py)."""
-        try:
-            self.window_check(self.max_kv_size)
-        except ValueError as exc:
-            raise r.fail(f"max_kv_size: {exc}") from None
         if not r.pair(keys, values, "tokens"):
             if self.held:
                 raise r.fail(f"holds no K/V, but offset {self.offset} and dropped {self.dropped} say it holds "
                              f"{self.held} tokens")
+            r.held_state(self)
             return
         if self._shape is None:
             raise r.fail(f"holds K/V {saved.describe(keys)} but no K/V shape")
         b, h, dk, dv = self._shape
         r.array(keys, "K", (b, h, self.held, dk), STORE_DTYPE)
         r.array(values, "V", (b, h, self.held, dv), STORE_DTYPE)
-        if saved.checks_finite():
-            try:
-                self.check_stored_finite()
-            except ValueError as exc:
-                raise r.fail(f"{str(exc).split(': ', 1)[-1]} (load with check_finite=False to inspect it)") from None
+        r.held_state(self)

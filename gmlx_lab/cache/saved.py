@@ -24,6 +24,7 @@ from mlx.utils import tree_unflatten
 
 __all__ = ["SavedCacheError", "StateReader", "checks_finite", "describe", "load_prompt_cache", "trusted"]
 
+SHAPE_NAMES = ("batch", "kv heads", "key head_dim", "value head_dim")
 _TRUSTED = contextvars.ContextVar("gmlx_lab_state_trusted", default=False)
 _FINITE = contextvars.ContextVar("gmlx_lab_state_finite", default=True)
 
@@ -107,6 +108,34 @@ class StateReader:
         if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
             raise self.fail(f"{name} holds {tuple(value.shape)} {value.dtype}; expected {tuple(shape)} {dtype}")
         return value
+
+    def common(self, items: dict[str, Any]) -> int:
+        """The scalars every layout keeps (layer, offset, window size, dropped, sliding window and hold, K/V shape);
+        names the layer and returns the offset."""
+        self.name_layer(self.integer(self.present(items["layer"], "layer"), "layer", none=True))
+        offset = self.integer(self.present(items["offset"], "offset"), "offset")
+        self.integer(self.present(items["max_kv_size"], "max_kv_size"), "max_kv_size", 1, none=True)
+        self.integer(self.present(items["dropped"], "dropped"), "dropped (tokens the window dropped)", high=offset)
+        for name in ("sliding_window", "sliding_hold"):
+            self.integer(self.present(items[name], name), name, 1, none=True)
+        shape = [self.present(x, n) for x, n in zip(items["shape"], SHAPE_NAMES)]
+        if any(x is not None for x in shape):
+            for x, n in zip(shape, SHAPE_NAMES):
+                self.integer(x, n, 1)
+        return offset
+
+    def held_state(self, cache: Any) -> None:
+        """What a loaded cache holds, checked by the cache itself: its rolling window, then (unless the loader says
+        not to) every region's finiteness."""
+        try:
+            cache.window_check(cache.max_kv_size)
+        except ValueError as exc:
+            raise self.fail(f"max_kv_size: {exc}") from None
+        if checks_finite():
+            try:
+                cache.check_stored_finite()
+            except ValueError as exc:
+                raise self.fail(f"{str(exc).split(': ', 1)[-1]} (load with check_finite=False to inspect it)") from None
 
     def pair(self, k: Any, v: Any, name: str) -> bool:
         """True if a K/V pair is saved, False if both are None (the region is empty); a half pair is refused."""
