@@ -78,7 +78,10 @@ DEFAULT_SCHEMES = {"cpu": "mlx_lm_fp16,fp16,affine8,affine4,kvarn6,kvarn4",
                    "gpu": "mlx_lm_fp16,mlx_lm_affine8,fp16,affine8,affine4,kvarn6,kvarn4"}
 SHAPES = {"llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                            rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)}
+                            rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+          "tiny": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=128, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False)}  # the same code paths at a size the CPU runs in seconds
 
 
 def git_commit() -> str:

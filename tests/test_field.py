@@ -23,7 +23,7 @@ def test_the_plan_covers_every_registered_scheme_and_case() -> None:
     assert {"fp16", "affine", "affine_rot", "kvarn", "turboquant", "float", "kivi"} <= families
     assert {(c.model, c.policy, c.length) for c in field.CASES} >= {
         ("teaching-llama", "default", 1024), ("teaching-llama", "default", 4096), ("gemma3-270m", "all", 4096)}
-    assert len(field.PASSKEY_DEPTHS) * field.PASSKEY_KEYS >= 24
+    assert len(field.PASSKEY_DEPTHS) * field.PASSKEY_KEYS >= 48
     assert sum(len(p.specs) for p in pieces if p.case == field.CASES[0] and p.kind == "fidelity") == len(
         field.FIELD_SPECS)
 

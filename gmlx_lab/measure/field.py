@@ -59,7 +59,7 @@ POLICIES: dict[str, dict[str, Any]] = {
 KINDS = ("fidelity", "passkey")
 DECODE = 64  # fidelity: decode tokens, one at a time through the cache, after a prefill of length - DECODE
 PASSKEY_DEPTHS = tuple(round(0.05 + 0.9 * i / 7, 4) for i in range(8))  # the needle after this share of filler
-PASSKEY_KEYS = 3  # keys per depth: 8 x 3 = 24 per scheme and length
+PASSKEY_KEYS = 6  # keys per depth: 8 x 6 = 48 per scheme and length
 PREFILL_STEP = 2048  # tokens per prefill chunk (experiments.passkey's default)
 SEED = 0  # the same keys for every family (random_key draws in cell order)
 
