@@ -9,8 +9,10 @@ Batch grid: for each batch x context, every scheme's cache is filled and kept re
 `--rounds` rounds in which every scheme in turn decodes `--per-round` steps (so a slow spell of the machine falls
 on all alike); a step's time is the wall-clock interval between consecutive greedy tokens with async-eval
 pipelining as mlx-lm's generate_step does (each round's first step left out); rows give the median, the 10th
-percentile and the count, and tokens/s = batch x 1000 / median ms. A grid point whose caches would not fit in
-`--resident-gb` together is skipped and listed.
+percentile and the count, and tokens/s = batch x 1000 / median ms. `cache_bytes` is the caches' resident bytes
+after the decode rounds: right after a fill a block cache still holds the last chunk's due blocks in fp16 (they
+are encoded when the next token arrives), which `cache_bytes_after_fill` shows. A grid point whose caches would
+not fit in `--resident-gb` together is skipped and listed.
 Capacity: at `--capacity-context`, each scheme alone (one at a time: caches of this size cannot sit side by side)
 is given the largest batch whose cache fits in `--budget-gb` (from its bytes per token measured in the grid), is
 filled, and decodes `--rounds` x `--per-round` steps; the row has the batch, the cache's bytes and tokens/s.
@@ -72,9 +74,9 @@ def fill(model: nn.Module, cache: list[Any], batch: int, context: int, chunk: in
         n = min(chunk, context - start)
         kv = pool[(start // chunk) % len(pool)][:, :, :, :n]
         keys, values = (mx.broadcast_to(x, (batch, heads, n, dim)) for x in kv)
-        for c in cache:
+        for c in cache:  # one layer at a time, as a prefill runs them: their temporaries never coexist
             c.update_and_fetch(keys, values)
-        mx.eval([c.state for c in cache])
+            mx.eval(c.state)
     return time.perf_counter() - t0
 
 
@@ -115,7 +117,8 @@ class Resident:
         self.intervals: list[float] = []
         try:
             seconds = fill(model, self.cache, batch, context, args.chunk, args.seed)
-            self.row.update({"fill_s": round(seconds, 2), "cache_bytes": sum(c.nbytes for c in self.cache)})
+            self.row.update({"fill_s": round(seconds, 2),
+                             "cache_bytes_after_fill": sum(c.nbytes for c in self.cache)})
         except Exception as err:  # noqa: BLE001  (a scheme that cannot run here is recorded, not hidden)
             self.row["error"] = f"fill: {type(err).__name__}: {err}"[:400]
 
@@ -130,6 +133,7 @@ class Resident:
     def finish(self) -> dict[str, Any]:
         if "error" not in self.row and self.intervals:
             self.row.update(summary(self.intervals, self.row["batch"]))
+            self.row["cache_bytes"] = sum(c.nbytes for c in self.cache)
         return self.row
 
 

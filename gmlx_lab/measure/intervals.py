@@ -62,7 +62,8 @@ class Interval:
 
 
 def _g(x: float, digits: int) -> str:
-    return f"{x:.{digits}g}"
+    """`digits` significant digits; a whole number too long for them below 100,000 whole (558, not 5.6e+02)."""
+    return f"{x:.0f}" if 10**digits <= abs(x) < 1e5 else f"{x:.{digits}g}"
 
 
 def bootstrap(values: Sequence[float], statistic: Callable[[np.ndarray], float] = np.mean,
@@ -82,6 +83,15 @@ def bootstrap(values: Sequence[float], statistic: Callable[[np.ndarray], float] 
     estimate = float(statistic(x))
     return Interval(estimate, float(min(low, estimate)), float(max(high, estimate)), int(x.size),
                     f"percentile bootstrap over {x.size} passages, {DRAWS} draws")
+
+
+STEP_SPREAD = "10th-90th percentile of timed steps"
+
+
+def step_spread(median: float, p10: float, p90: float, steps: int) -> Interval:
+    """A timing: the median of `steps` timed steps with their 10th-90th percentile as the band (a spread of the
+    steps themselves, wider than an interval of the median; benchmarks keep these three numbers)."""
+    return Interval(median, p10, p90, steps, STEP_SPREAD)
 
 
 def wilson(hits: int, trials: int) -> Interval:
@@ -122,17 +132,20 @@ class Comparison:
         """One sentence a notebook or the CLI may print: a winner only where the intervals do not overlap."""
         values = f"{self.a_value.text()} against {self.b_value.text()}"
         n = self.a_value.n if self.a_value.n == self.b_value.n else f"{self.a_value.n}/{self.b_value.n}"
+        bands = (f"10th-90th percentile ranges of {n} steps" if STEP_SPREAD in (self.a_value.method,
+                                                                                 self.b_value.method)
+                 else f"95% intervals over {n}")
         if self.below_floor:
             return (f"{self.a} and {self.b} are indistinguishable: {self.metric} {values}, both below {self.floor:g}, "
                     "the floor of this measurement's arithmetic.")
         if self.winner is None:
             return (f"{self.a} and {self.b} are indistinguishable at this sample: {self.metric} {values}, "
-                    f"95% intervals over {n} overlap.")
+                    f"{bands} overlap.")
         winner, loser = (self.a_value, self.b_value) if self.winner == self.a else (self.b_value, self.a_value)
         other = self.b if self.winner == self.a else self.a
         word = "lower" if self.lower_is_better else "higher"
         return (f"{self.winner} has {word} {self.metric} than {other}: {winner.text()} against {loser.text()}, "
-                f"95% intervals over {n} apart.")
+                f"{bands} apart.")
 
     def to_dict(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "metric": self.metric, "a_value": self.a_value.to_dict(),
