@@ -26,6 +26,7 @@ from conftest import random_kv
 import gmlx_lab
 from gmlx_lab import viz
 from gmlx_lab.measure import tradeoff
+from gmlx_lab.measure.capacity import batch_rows
 from gmlx_lab.measure.verdict import load_verdict
 from gmlx_lab.models import specimen
 
@@ -141,6 +142,8 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "passkey_heatmaps": lambda: [viz.passkey_heatmaps(_beyond("passkey"))],
     "draft_figure": lambda: [viz.draft_figure(_beyond("draft"))],
     "weights_kv_figure": lambda: [viz.weights_kv_figure(_beyond("weights_kv"))],
+    "capacity_figure": lambda: [viz.capacity_figure(
+        batch_rows("batch_capacity-w16-128k-h200.json") + batch_rows("batch_capacity-w16-32k-h200.json"), "capacity")],
     "verdict_figure": lambda: [viz.verdict_figure(load_verdict("gemma3-270m")),
                                viz.verdict_figure(load_verdict("teaching-llama"), (0.8, 0.6, 0.4))],
     "weights_kv_positions": lambda: [viz.weights_kv_positions(_beyond("weights_kv"), "8-bit")],

@@ -64,7 +64,8 @@ def compare_throughput(a: BatchRow, b: BatchRow) -> Comparison:
 
 def markdown_table(rows: list[BatchRow]) -> str:
     """One line a row: sequences, cache GB, ms a step and tokens/s with their bands."""
-    lines = ["| cache | sequences x context | cache GB | ms a step (p10-p90) | tokens/s (band) |", "|---|---|---|---|---|"]
+    lines = ["| cache | sequences x context | cache GB | ms a step (p10-p90) | tokens/s (band) |",
+             "|---|---|---|---|---|"]
     for r in rows:
         t = r.tokens_per_s
         lines.append(f"| {r.label} | {r.batch} x {r.context // 1024}K | {r.cache_bytes / 1e9:.1f} | "

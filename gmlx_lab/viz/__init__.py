@@ -13,6 +13,7 @@ import os
 from ..measure.sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from ..records import record_bytes
 from . import plotlyjs
+from .capacity import capacity_figure
 from .code import Source, source
 from .field import SchemeIdea, field_kl_figure, field_passkey_figure, idea_figure, scheme_idea
 from .figures import (
@@ -92,7 +93,7 @@ __all__ = [
 __all__ += ["Say", "say"]
 __all__ += ["SchemeIdea", "field_kl_figure", "field_passkey_figure", "idea_figure", "scheme_idea"]
 __all__ += ["context_ticks", "log_ticks"]
-__all__ += ["scale_spans", "verdict_figure"]
+__all__ += ["capacity_figure", "scale_spans", "verdict_figure"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 
