@@ -68,9 +68,7 @@ SETTING_IMPLS = {**{f"fused_kvarn{b}_ring_{ring}": ("kvarn", b, {"ring": ring})
                     for b in (6, 4) for ring in ("on", "off")},
                  **{f"fused_{kind}{b}_{name}": (kind, b, {"merge_in_kernel": merge}) for kind, b in
                     (("kvarn", 6), ("kvarn", 4), ("affine", 4)) for name, merge in (("merged", True),
-                                                                                    ("twolaunch", False))},
-                 **{f"fused_kvarn{b}_fp16_{name}": ("kvarn", b, {"fp16_per_warp": value})
-                    for b in (6, 4) for name, value in (("one", "one"), ("asrecords", "as-records"))}}
+                                                                                    ("twolaunch", False))}}
 IMPLS = ("fp16_sdpa", "mlx_lm_affine8", "mlx_lm_affine4", "fused_affine8", "fused_affine4", "fused_kvarn6",
          "fused_kvarn4", *SETTING_IMPLS)
 DEFAULT_IMPLS = IMPLS[:7]

@@ -7,10 +7,11 @@ For each scheme a child process builds an mlx-lm `llama` with Llama-3-8B's layer
 (random float16 weights), makes the scheme's cache (which self-checks the fused kernels it uses, once per
 process), prefills `--context` random tokens in 2048-token chunks and decodes `--tokens` greedy tokens; it times
 each part (seconds, evaluation included). Each scheme runs twice, each time in a new process: `cold` with an empty
-MLX_PTX_CACHE_DIR (where MLX keeps the CUDA kernels of its own it compiled) and an empty GMLX_KERNEL_CACHE_DIR
-(where gmlx keeps its kernels' NVRTC builds, kernels/precompiled.py), `warm` with both folders again, as a
-machine's later processes find them. With `--kernel-cache off` (GMLX_KERNEL_CACHE=0) gmlx's kernels go through
-mx.fast.cuda_kernel, which MLX 0.32 compiles in each process: `warm` then still compiles every gmlx kernel.
+MLX_PTX_CACHE_DIR (where MLX keeps the CUDA kernels of its own it compiled) and an empty GMLX_LAB_CACHE
+(whose `kernels` folder keeps gmlx's kernels' NVRTC builds, kernels/precompiled.py), `warm` with both folders
+again, as a machine's later processes find them. With `--kernel-cache off` (the setting kernel_cache) gmlx's
+kernels go through mx.fast.cuda_kernel, which MLX 0.32 compiles in each process: `warm` then still compiles
+every gmlx kernel.
 `adds_s` (`adds_warm_s`) is a scheme's cold (warm) total minus gmlx fp16's in the same run: what choosing the
 scheme adds to a machine's first process (to every later one). `kernel_cache_problems`: the kernels that did not
 use the folder, and why (none when it worked).
@@ -101,22 +102,26 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/first_use-h200.json")
     ap.add_argument("--note", default="")
     ap.add_argument("--kernel-cache", choices=("on", "off"), default="on",
-                    help="gmlx's kernel disk cache (GMLX_KERNEL_CACHE); off: mx.fast.cuda_kernel in each process")
+                    help="gmlx's kernel disk cache (setting kernel_cache); off: mx.fast.cuda_kernel in each process")
     args = ap.parse_args()
     if args.child:
+        if args.kernel_cache == "off":
+            from gmlx_lab.kernels import config
+
+            config.set_config(kernel_cache=False)
         print(json.dumps(child(args.child, args.layers, args.context, args.tokens)))
         return
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-           "GMLX_KERNEL_CACHE": "1" if args.kernel_cache == "on" else "0"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     rows = []
     for scheme in args.schemes.split(","):
         folder = tempfile.mkdtemp(prefix=f"ptx-{scheme}-")
         row: dict[str, Any] = {"scheme": scheme}
         for run in ("cold", "warm"):
             res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", scheme, "--layers",
-                                  str(args.layers), "--context", str(args.context), "--tokens", str(args.tokens)],
+                                  str(args.layers), "--context", str(args.context), "--tokens", str(args.tokens),
+                                  "--kernel-cache", args.kernel_cache],
                                  capture_output=True, text=True,
-                                 env={**env, "MLX_PTX_CACHE_DIR": folder, "GMLX_KERNEL_CACHE_DIR": f"{folder}/gmlx"})
+                                 env={**env, "MLX_PTX_CACHE_DIR": folder, "GMLX_LAB_CACHE": f"{folder}/gmlx"})
             try:
                 row[run] = json.loads(res.stdout.strip().splitlines()[-1])
             except (IndexError, json.JSONDecodeError):

@@ -29,11 +29,9 @@ same context and weights. A short warm-up per scheme (compiles the kernels) is n
 adds rows (scheme name + "_unchecked") with the caches' finiteness check of arriving K/V switched off, so its
 cost is measured side by side. `--probes kvarn6/lean-fetch,kvarn6/all,...` (GPU only) adds what-if rows: each
 probe removes one piece of a fused decode step's host work (PROBES), so its row bounds what removing that piece
-for real would gain; a probe's attention output is wrong, only its timing is read (except `uncompiled`, which
-measures the decode attention built in Python every step, as before it was compiled, `one-launch`, the split
-kernels merging their own splits on CUDA, `ring-on` / `ring-off`, kvarn_decode's ring whatever the setting
-`ring` says, and `fp16-one` / `fp16-as-records`, its fp16 units a warp: the kernel settings of kernels/config.py,
-whose outputs are right).
+for real would gain; a probe's attention output is wrong, only its timing is read (except `one-launch` /
+`two-launch`, the split kernels merging their own splits on CUDA or not, and `ring-on` / `ring-off`, kvarn_decode's
+ring whatever the record count says: the kernel settings of kernels/config.py, whose outputs are right).
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -156,17 +154,13 @@ def lean_fetch() -> Any:
 
 def setting(**settings: Any) -> Any:
     """Probe: decode steps under these kernel settings (kernels/config.py; the plans and compiled graphs carry
-    them): `uncompiled`, the decode attention built in Python every step instead of replayed from one compiled
-    graph per launch geometry; `one-launch`, the split kernels merging their own splits on CUDA; `ring-on` /
-    `ring-off`, kvarn_decode's cp.async ring; `fp16-one` / `fp16-as-records`, kvarn_decode's fp16 units a warp.
-    Their outputs are right."""
+    them): `one-launch` / `two-launch`, the split kernels merging their own splits on CUDA or in split_merge;
+    `ring-on` / `ring-off`, kvarn_decode's cp.async ring. Their outputs are right."""
     return lambda: config.configured(**settings)
 
 
-PROBES = {"lean-fetch": lean_fetch, "uncompiled": setting(compile_graphs=False),
-          "one-launch": setting(merge_in_kernel=True), "two-launch": setting(merge_in_kernel=False),
-          "ring-on": setting(ring="on"), "ring-off": setting(ring="off"),
-          "fp16-one": setting(fp16_per_warp="one"), "fp16-as-records": setting(fp16_per_warp="as-records")}
+PROBES = {"lean-fetch": lean_fetch, "one-launch": setting(merge_in_kernel=True),
+          "two-launch": setting(merge_in_kernel=False), "ring-on": setting(ring="on"), "ring-off": setting(ring="off")}
 
 
 def parse_probes(text: str) -> list[tuple[str, list[str]]]:

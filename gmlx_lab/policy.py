@@ -39,7 +39,6 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from . import window
 from .cache import GmlxCache
-from .kernels import config as kernel_config
 from .kernels import precompiled, selfcheck
 from .registry import BASELINE, Scheme, get_scheme
 
@@ -259,7 +258,7 @@ class Policy:
         return f"[kv] {self.name}: {self.label} -> quantized {done} attn layers{detail}{extra}{self._notes()}"
 
     def _notes(self) -> str:
-        """What the [kv] line adds: what the environment chose (scheme widths, kernel settings: kernels/config.py),
+        """What the [kv] line adds: what the environment chose (scheme widths),
         the rolling window, the overrides, kernels that failed their self-check, and kernels compiled in each
         process for want of the disk cache (kernels/precompiled.py)."""
         notes = [f"{k} failed its self-check ({why}) -> reference path" for k, why in self.fallbacks.items()]
@@ -268,9 +267,6 @@ class Policy:
         cls = get_scheme(self.scheme).cache_class
         if self.quantized and isinstance(cls, type) and issubclass(cls, GmlxCache) and cls.decode_path():
             notes.append(f"{self.scheme}: {cls.decode_path()}")  # no fused GPU kernel: say so (GmlxCache.decode_path)
-        chosen = kernel_config.environment_choices()
-        if chosen and self.quantized:
-            notes.append(f"kernel settings from the environment: {', '.join(sorted(chosen.values()))}")
         said: dict[str, list[int]] = {}  # overrides not among the fp16 reasons already (quantized, not attention)
         for d in self.layers:
             if OVERRIDE in d.reason and not (d.grows and d.decision == BASELINE):

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import random_kv, tiny_llama
+from conftest import random_kv
 
-import gmlx_lab
 from gmlx_lab.cache.affine import AffineCache, AffineRotCache
 from gmlx_lab.cache.attention import grouped_attention
 from gmlx_lab.cache.kvarn import KVarNCache
@@ -396,14 +395,9 @@ def test_kvarn_splits_give_fp16_units_a_warp_each() -> None:
     assert (nsr + nsf) * w <= decode.TARGET_WARPS // 8 + w
     assert decode.kvarn_splits(1015, 1024, 8, w, per_warp=5) == (5, 5, -(-1015 // (5 * w)), 1)
     assert decode.kvarn_splits(1015, 1024, 8, w, per_warp=5, per_fp16=2) == (5, 2, -(-1015 // (5 * w)), 2)
-    # the setting fp16_per_warp="as-records" (round 5's split): every warp the same count of units
-    assert decode.kvarn_splits(1015, 1024, 8, w, fp16_as_records=True) == (6, 6, -(-1015 // (6 * w)), 1)
     parts = _kvarn_cache(128, 2, 4, 4, 128 + 6 * 128 + 300, 256, seed=1).parts()
-    with config.configured(fp16_per_warp="as-records"):
-        assert decode.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2).per16 == 2
+    assert decode.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2).per16 == 2
     assert decode.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2, per_fp16=1).per16 == 1
-    with pytest.raises(ValueError, match="accepted: one, as-records"):
-        config.configured(fp16_per_warp="two").__enter__()
 
 
 def test_kernels_merge_more_splits_than_they_load_at_once(merging_in_kernel: None) -> None:
@@ -481,32 +475,27 @@ def test_launch_bounds_reach_the_cuda_header_only_and_the_name_follows_the_text(
     assert sources.cuda_name("kvarn_decode") == name
 
 
-def test_kernel_settings_explicit_beats_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """config.py: the environment is read at the first use, checked, named in the [kv] line; an explicit setting
-    (configured / set_config) beats it; retired variables are refused with what replaced them."""
-    monkeypatch.setenv("GMLX_KVARN_RING", "off")
+def test_kernel_settings_are_explicit_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.py: settings come only from configured / set_config (the environment sets none), innermost first;
+    a bad value or an unknown setting is refused with what is accepted."""
     monkeypatch.setattr(config, "_explicit", [{}])
-    try:
-        assert config.reload_environment().ring == "off"
-        assert config.environment_choices() == {"ring": "GMLX_KVARN_RING=off"}
-        policy = str(gmlx_lab.make_cache(tiny_llama(layers=2), "kvarn", bits=4, quiet=True).policy)
-        assert "kernel settings from the environment: GMLX_KVARN_RING=off" in policy
-        with config.configured(ring="on") as chosen:
-            assert chosen.ring == "on" and config.environment_choices() == {}
-        assert config.current().ring == "off"
-        config.set_config(ring="auto")
-        assert config.current().ring == "auto" and config.environment_choices() == {}
-        monkeypatch.setenv("GMLX_KVARN_RING", "sometimes")
-        with pytest.raises(ValueError, match="GMLX_KVARN_RING='sometimes'; accepted: auto, on, off"):
-            config.reload_environment()
-        monkeypatch.delenv("GMLX_KVARN_RING")
-        with pytest.raises(ValueError, match="accepted: True/False"):
-            config.configured(merge_in_kernel="yes").__enter__()
-        with pytest.raises(ValueError, match="no kernel setting prefetch"):
-            config.set_config(prefetch=1)
-    finally:
-        monkeypatch.undo()
-        config.reload_environment()
+    monkeypatch.setattr(config, "_resolved", None)
+    monkeypatch.setenv("GMLX_KVARN_RING", "off")  # a retired variable: no longer read
+    assert config.current() == config.KernelConfig()
+    with config.configured(ring="on") as chosen:
+        assert chosen.ring == "on"
+        with config.configured(ring="off"):
+            assert config.current().ring == "off"
+        assert config.current().ring == "on"
+    config.set_config(merge_in_kernel=False)
+    assert config.as_dict() == {"ring": "auto", "merge_in_kernel": False, "kernel_cache": True}
+    with pytest.raises(ValueError, match="ring='sometimes'; accepted: auto, on, off"):
+        config.configured(ring="sometimes").__enter__()
+    with pytest.raises(ValueError, match="accepted: True or False"):
+        config.configured(merge_in_kernel="yes").__enter__()
+    with pytest.raises(ValueError, match="no kernel setting fp16_per_warp"):
+        config.set_config(fp16_per_warp="one")
+    monkeypatch.setattr(config, "_resolved", None)
 
 
 @pytest.mark.parametrize("d, kb, vb, backend, stages", [
@@ -796,7 +785,7 @@ def test_cpu_threads_refuse_an_unknown_source() -> None:
 def test_run_graph_compiles_once_per_key_and_reads_every_array_at_each_call(monkeypatch):
     """On a GPU, decode attention is one compiled graph per launch geometry (build.run_graph). What changes
     between steps (the kernels' parameter arrays: the token count) is an input, read anew at each call, never
-    baked into the trace; another key is another graph; `compile_graphs = False` calls the graph as it is."""
+    baked into the trace; another key is another graph; the CPU calls the graph as it is."""
     monkeypatch.setattr(build, "active_backend", lambda: "cuda")  # compile as on a GPU (this graph is pure MLX)
     traced = []
 
@@ -810,6 +799,6 @@ def test_run_graph_compiles_once_per_key_and_reads_every_array_at_each_call(monk
     assert traced == [2.0]  # traced once, replayed twice
     assert build.run_graph(graph, 3.0, x, mx.array([1.0])).tolist() == [4.0] * 4
     assert traced == [2.0, 3.0]
-    with config.configured(compile_graphs=False):
-        assert build.run_graph(graph, 2.0, x, mx.array([5.0])).tolist() == [7.0] * 4
+    monkeypatch.setattr(build, "active_backend", lambda: "cpu")
+    assert build.run_graph(graph, 2.0, x, mx.array([5.0])).tolist() == [7.0] * 4
     assert traced == [2.0, 3.0, 2.0]

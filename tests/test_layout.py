@@ -180,3 +180,20 @@ def test_the_docs_the_code_cites_exist() -> None:
         assert doc.is_file(), f"docs/{name} is cited but missing"
         if section:
             assert re.search(rf"^## {section}\. ", doc.read_text(), re.M), f"docs/{name} has no section {section}"
+
+
+def test_the_package_reads_at_most_three_environment_variables_each_in_the_readme() -> None:
+    """gmlx_lab reads GMLX_* variables only where the README's table documents them, and no more than three."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    read = set()
+    for path in (root / "gmlx_lab").rglob("*.py"):
+        text = path.read_text()
+        read |= set(re.findall(r"os\.environ(?:\.get)?[\[(]\s*\"(GMLX_[A-Z_]+)\"", text))
+        read |= {name for name in re.findall(r"\"(GMLX_[A-Z_]+)\"", text)
+                 if re.search(rf"\w+ = \"{name}\"", text)}  # a module constant naming a variable it reads
+    readme = (root / "README.md").read_text()
+    documented = set(re.findall(r"^\| `(GMLX_[A-Z_]+)` \|", readme, re.MULTILINE))
+    assert read and read <= documented, f"read but not in the README's table: {sorted(read - documented)}"
+    assert len(documented) <= 3, f"more than three variables: {sorted(documented)}"

@@ -128,15 +128,14 @@ def run_graph(graph: Callable[..., mx.array], key: Any, *arrays: mx.array) -> mx
     sources MLX assembles at each call) costs the host more than the GPU spends on it at short contexts; a
     compiled graph is replayed in C++ with the kernels built once. `key` (plain values) with the arrays' shapes
     and dtypes must fix the graph: every value that changes between steps is one of `arrays`, never captured.
-    The CPU (and CPU threads, which run kernels eagerly) calls `graph` as it is; so does the setting
-    `compile_graphs=False` (config.py), which benchmarks/model_decode.py's probe `uncompiled` measures."""
+    The CPU (and CPU threads, which run kernels eagerly) calls `graph` as it is."""
     return graph_function(graph, key)(*arrays)
 
 
 def graph_function(graph: Callable[..., mx.array], key: Any) -> Callable[..., mx.array]:
     """`graph` with its key bound, as `run_graph` calls it: compiled on a GPU backend, else as it is. A caller that
     runs the same graph every step may keep it while the backend and the settings stay (decode.KvarnCall)."""
-    if not config.current().compile_graphs or active_backend() == "cpu":
+    if active_backend() == "cpu":
         return partial(graph, key)
     return _compiled(graph, key)
 

@@ -22,8 +22,7 @@ from .sources import CUDA_DEFINES
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
 # affine_decode splits hold at least this many 128-token tiles: a threadgroup's fixed work (queries in, partials
-# out, merged later) costs more than tiles do; on the H200 at 32K affine4 took 73 µs a call with one tile a split,
-# 56 with 16 to 32, and at 128K 196 with 4, 184 with 16 (two launches, benchmarks/results/split_sweep-h200.json)
+# out, merged later) costs more than tiles do (the sweep: benchmarks/results/split_sweep-h200.json)
 AFFINE_MIN_TILES = 16
 MAX_QUERY_TOKENS = 4
 NEG_INF = float("-inf")
@@ -31,10 +30,8 @@ DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled
 # kvarn_decode's ring (template RING): each warp stages its records' code words and scale / zero factors
 # through slots in threadgroup memory by asynchronous copies (CUDA's cp.async), NST - 1 chunks ahead, instead of
 # loading each chunk's words just before its tensor-core products; ring_stages says how deep, and where no ring
-# fits it is off. Setting `ring` (config.py): "on", "off", or "auto", the ring from RING_MIN_RECORDS records a
-# head on. On the H200, with calls chained as a model's layers run them (docs/gpu-performance.md), the ring saves
-# time at 247 records a head (32K tokens) and more at 1015 (128K), and costs a little at 119 (16K): it starts
-# between those.
+# fits it is off. It runs from RING_MIN_RECORDS records a head on: below, staging costs more than it hides
+# (docs/gpu-performance.md has the chained measurements); the setting `ring` (config.py) forces it for tests.
 RING_MIN_RECORDS = 192
 
 
@@ -74,8 +71,8 @@ def _param_rows(values: tuple[int, ...], moving: int, base: int) -> mx.array:
 @lru_cache(maxsize=4096)
 def step_params(values: tuple[int, ...], moving: int) -> mx.array:
     """`int_params(*values)` for a decode step, where entry `moving` (the token count) grows by one every step: a row
-    of a table made once per PARAM_ROWS counts. A row is a view, so a step uploads nothing; a new small array
-    every step cost about 0.7 ms of a kvarn6 step on the H200 (cProfile of model_decode at 32K, commit 05544c7)."""
+    of a table made once per PARAM_ROWS counts. A row is a view, so a step uploads nothing (a new small array
+    every step is one more host-to-device copy a layer; docs/gpu-performance.md)."""
     base = values[moving] // PARAM_ROWS * PARAM_ROWS
     fixed = values[:moving] + (0,) + values[moving + 1:]
     return _param_rows(fixed, moving, base)[values[moving] - base]
@@ -152,8 +149,8 @@ KVARN_PROW = 132  # floats per row of kvarn_decode's weights and outputs tiles (
 # The fused kernel takes gmlx's head dims (records.KVARN_HEAD_DIMS): whole 128-channel slices, a power of two
 # (512 is also Metal's limit: past it the queries and one slice's outputs fill a threadgroup's 32 KB)
 # CUDA: kvarn_decode's launch bounds, at most KVARN_THREADS threads and at least KVARN_MIN_BLOCKS threadgroups a
-# multiprocessor, so ptxas keeps a thread's registers to 65536 / (128 x 3): 168, no spills (4 gave 128 registers,
-# 88 bytes spilled, and was no faster on the H200; docs/gpu-performance.md).
+# multiprocessor, so ptxas keeps a thread's registers to 65536 / (128 x 3): 168, no spills (4 threadgroups leave
+# too few registers and spill; docs/gpu-performance.md).
 KVARN_MIN_BLOCKS = 3
 CUDA_DEFINES["kvarn_decode"] = {"KVARN_THREADS": 32 * KVARN_WARPS, "KVARN_MIN_BLOCKS": KVARN_MIN_BLOCKS}
 # One wave of warps on an H200: 132 multiprocessors x KVARN_MIN_BLOCKS threadgroups of 4 warps; more would leave
@@ -199,28 +196,22 @@ def kvarn_units(records: int, recent: int) -> tuple[int, int]:
     return records, 1 + -(-recent // 128)
 
 
-# fp16 units a warp walks (setting `fp16_per_warp` "one", the default): an fp16 unit (128 tokens of fp16 K and V,
-# 64 KB at head_dim 128) reads 2.5x a 6-bit record's bytes and 3.7x a 4-bit one's, by 4-byte loads; at the
-# records' count a warp (6 at 128K; the setting "as-records") the fp16 split's warps can be a call's last to
-# finish, which a decode step, whose layers wait for each other, pays (docs/gpu-performance.md).
+# fp16 units a warp walks: an fp16 unit (128 tokens of fp16 K and V) reads several times a record's bytes, so a
+# warp takes one; with as many as a warp's records the fp16 split's warps finish a call last, which a decode step,
+# whose layers wait for each other, pays (docs/gpu-performance.md).
 FP16_UNITS_PER_WARP = 1
 
 
 def kvarn_splits(records: int, recent: int, groups: int, warps: int, per_warp: int | None = None,
-                 per_fp16: int | None = None, fp16_as_records: bool = False) -> tuple[int, int, int, int]:
+                 per_fp16: int | None = None) -> tuple[int, int, int, int]:
     """(records per warp, fp16 units per warp, record splits, fp16 splits): a split (threadgroup) holds units of
     one kind only, so its partial output is in one space (records rotated, fp16 tokens not). About TARGET_WARPS
-    warps run: fp16 units take FP16_UNITS_PER_WARP a warp and the records share the rest, or (`fp16_as_records`)
-    every warp takes the same count of units. Tests and sweeps set `per_warp` (records, and fp16 units unless
-    `per_fp16` is given too)."""
+    warps run: fp16 units take FP16_UNITS_PER_WARP a warp and the records share the rest. Tests and sweeps set
+    `per_warp` (records, and fp16 units unless `per_fp16` is given too)."""
     r, f = kvarn_units(records, recent)
     wave = -(-TARGET_WARPS // groups)  # warps of one (kv head, query chunk)
-    if fp16_as_records:
-        per = per_warp or -(-(r + f) // wave)
-        per16 = per_fp16 or per
-    else:
-        per16 = per_fp16 or per_warp or FP16_UNITS_PER_WARP
-        per = per_warp or -(-r // max(1, wave - -(-f // (per16 * warps)) * warps))
+    per16 = per_fp16 or per_warp or FP16_UNITS_PER_WARP
+    per = per_warp or -(-r // max(1, wave - -(-f // (per16 * warps)) * warps))
     return per, per16, -(-r // (per * warps)), -(-f // (per16 * warps))
 
 
@@ -246,11 +237,10 @@ class KvarnPlan(NamedTuple):
 
 
 def kernel_merges() -> bool:
-    """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): only
-    with the setting `merge_in_kernel` (config.py) and the CUDA source, whose fences make one threadgroup's writes
-    visible to the others (Metal's do not). On by default: on the H200 the merged kernel decodes the whole model
-    within 2% of split_merge's second launch (docs/gpu-performance.md, model_decode-round7-probes-h200.json), and
-    one launch a layer is less host work. model_decode.py's probes `one-launch` / `two-launch` compare the two."""
+    """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): on
+    CUDA, whose fences make one threadgroup's writes visible to the others (Metal's do not), unless the setting
+    `merge_in_kernel` (config.py) is off for a test. One launch a layer is less host work for the same kernel time
+    (docs/gpu-performance.md)."""
     return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 
@@ -281,20 +271,19 @@ def kvarn_plan(nq: int, d: int, bh: int, parts: KvarnParts, length: int, causal:
     r, s = kbody.codes.shape[2:4]
     fp16_units = kvarn_units(r, parts.recent_tokens)[1]
     return _kvarn_plan(nq, bh, r, s, parts.sink.k.shape[2], fp16_units, length, causal, kbody.bits, vbody.bits,
-                       per_warp, per_fp16, config.current().fp16_per_warp == "as-records", kvarn_warps(d),
-                       kernel_merges(), ring_for(r, config.current().ring), kernel_backend())
+                       per_warp, per_fp16, kvarn_warps(d), kernel_merges(), ring_for(r, config.current().ring),
+                       kernel_backend())
 
 
 @lru_cache(maxsize=256)
 def _kvarn_plan(nq: int, bh: int, r: int, s: int, sink: int, fp16_units: int, length: int, causal: bool,
-                kbits: int, vbits: int, per_warp: int | None, per_fp16: int | None, fp16_as_records: bool,
-                warps: int, merge: bool, ring: bool, backend: str
+                kbits: int, vbits: int, per_warp: int | None, per_fp16: int | None, warps: int, merge: bool,
+                ring: bool, backend: str
                 ) -> KvarnPlan:
     """kvarn_plan's arithmetic, once per geometry: the layers of a decode step repeat it, and it moves every 128
     tokens. The ring is off where it does not fit (ring_stages 0); the plan says whether it runs."""
     nchunk = -(-nq // KVARN_QN)
-    per, per16, nsr, nsf = kvarn_splits(r, (fp16_units - 1) * 128, bh * nchunk, warps, per_warp, per_fp16,
-                                        fp16_as_records)
+    per, per16, nsr, nsf = kvarn_splits(r, (fp16_units - 1) * 128, bh * nchunk, warps, per_warp, per_fp16)
     stages = ring_stages(s * 128, kbits, vbits, warps, backend) if ring else 1
     if stages == 0:
         ring, stages = False, 1

@@ -2,14 +2,14 @@
 template constants, kept in a folder on disk and launched through mx.fast.precompiled_cuda_kernel.
 
 MLX 0.32 compiles a custom kernel (mx.fast.cuda_kernel) with NVRTC in every process, once per set of template
-constants, and keeps the result in memory only: on the H200 a quantized cache paid about 20 s of such compiles
-in each new process (docs/gpu-performance.md, "First use"). Here the same text (the CUDA prelude, common.h, the
+constants, and keeps the result in memory only, so each new process paid the compiles of every kernel variant
+again (docs/gpu-performance.md, "First use"). Here the same text (the CUDA prelude, common.h, the
 kernel's helpers and body, as `sources.assemble` gives them; `kernel_text` adds the signature MLX would write)
 goes to NVRTC, the library MLX itself compiles with, and the cubin is stored as
     <folder>/mlx-<MLX version>/<arch>/<kernel>/<key>.cubin
 where `key` hashes the whole text (template constants and argument types included), the arch, and MLX's and
-NVRTC's versions. The folder: $GMLX_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/gmlx_lab/kernels, else
-~/.cache/gmlx_lab/kernels. The setting `kernel_cache` (config.py, GMLX_KERNEL_CACHE=0) turns it off.
+NVRTC's versions. The folder: `kernels` in gmlx_lab's user cache (paths.cache_root: $GMLX_LAB_CACHE, else
+$XDG_CACHE_HOME/gmlx_lab, else ~/.cache/gmlx_lab). The setting `kernel_cache` (config.py) turns it off.
 
 How the binary reaches MLX: handed to MLX's own module cache (`handed`). MLX looks for every CUDA module it
 builds, custom kernels included, as a file `<module name>.ptx` (with a `.txt` of kernel names) in its PTX folder
@@ -17,7 +17,7 @@ before compiling (mlx/backend/cuda/jit_module.cpp, v0.32); a custom kernel's mod
 std::hash of the text MLX writes around the kernel's body. So the cubin is written there under that name and the
 kernel is launched with mx.fast.cuda_kernel, which then loads it instead of compiling. The other way,
 mx.fast.precompiled_cuda_kernel, hashes the whole cubin (129 KB for kvarn_decode, against MLX's 27 KB of text) at
-every launch: on the H200 about 30 µs more a layer of a decode step (docs/gpu-performance.md). A probe kernel
+every launch, a cost a layer of every decode step (docs/gpu-performance.md). A probe kernel
 checks once per process that MLX reads what is handed to it (`handoff_works`); where it does not, `launch` uses
 precompiled_cuda_kernel, and says so.
 
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..paths import cache_root
 from .sources import assemble, compact, cuda_name
 
 # C types of the kernels' arguments: those of MLX's `dtype_to_cuda_type`, spelled with built-in names (the
@@ -59,10 +60,7 @@ Signature = tuple[tuple[str, mx.Dtype], ...]  # (argument name, dtype) in launch
 
 def folder() -> Path:
     """Where compiled kernels are kept (see the module docstring); read at each call, so tests can point it."""
-    if os.environ.get("GMLX_KERNEL_CACHE_DIR"):
-        return Path(os.environ["GMLX_KERNEL_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "gmlx_lab" / "kernels"
+    return cache_root() / "kernels"
 
 
 def kernel_text(function: str, name: str, inputs: Signature, outputs: Signature, template: dict[str, int]) -> str:
@@ -109,9 +107,9 @@ def arch_of(major: int, minor: int) -> str:
 
 
 def nvrtc_candidates() -> list[str]:
-    """Paths or names of NVRTC libraries to try, best first: $GMLX_NVRTC; the one already in this process (MLX's
-    CUDA backend links it); the `nvidia-cuda-nvrtc` wheels on sys.path; the system's."""
-    found = [os.environ["GMLX_NVRTC"]] if os.environ.get("GMLX_NVRTC") else []
+    """Paths or names of NVRTC libraries to try, best first: the one already in this process (MLX's CUDA backend
+    links it); the `nvidia-cuda-nvrtc` wheels on sys.path; the system's ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda)."""
+    found: list[str] = []
     maps = Path("/proc/self/maps")
     if maps.exists():
         for line in maps.read_text().splitlines():
@@ -189,7 +187,7 @@ def nvrtc() -> Nvrtc:
         except (OSError, AttributeError, RuntimeError) as exc:
             tried.append(f"{candidate} ({exc})")
     raise RuntimeError("no NVRTC library found (tried: " + ("; ".join(tried) or "none: no libnvrtc in this process, "
-                       "on sys.path's nvidia/ wheels or the system") + "); set GMLX_NVRTC to its path")
+                       "on sys.path's nvidia/ wheels or the system") + "); install nvidia-cuda-nvrtc or set CUDA_HOME")
 
 
 @cache
@@ -224,7 +222,7 @@ def not_handed(name: str, why: str) -> None:
     if name not in _not_handed:
         _not_handed[name] = why
         warnings.warn(f"gmlx_lab kernel {name}: {why}; launched with mx.fast.precompiled_cuda_kernel instead "
-                      "(same results, about 30 µs more a decode layer on the H200)", RuntimeWarning, stacklevel=3)
+                      "(same results, more host time a decode layer)", RuntimeWarning, stacklevel=3)
 
 
 def give_up(name: str, why: str, fallback: bool = True) -> None:

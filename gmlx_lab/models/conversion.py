@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -18,14 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gmlx_lab.models.errors import PackageMissingError
-
-
-def cache_root() -> Path:
-    """The gmlx_lab user cache: $GMLX_LAB_CACHE, else $XDG_CACHE_HOME/gmlx_lab, else ~/.cache/gmlx_lab."""
-    if os.environ.get("GMLX_LAB_CACHE"):
-        return Path(os.environ["GMLX_LAB_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "gmlx_lab"
+from gmlx_lab.paths import cache_root
 
 
 def converted_dir(name: str) -> Path:
