@@ -3,18 +3,16 @@
 Tiers, lowest first (a module imports only from its own tier or below; tests/test_layout.py finds circles):
   records, window            kvarn's format and the rolling window's rule (no cache class)
   kernels                    the fused GPU kernels: arrays in, arrays out
-  registry, cache            the Scheme interface; the caches (mlx-lm's cache contract)
-  schemes, policy, specs     the built-in schemes; which layers a scheme takes; the spec grammar ("kvarn6:tail=128")
+  registry, cache            the Scheme interface; the caches (mlx-lm's cache contract), one folder a built-in scheme
+                             (cache/<name>/: its cache and its registry entry; importing gmlx_lab.cache registers them)
+  policy, specs              which layers a scheme takes; the spec grammar ("kvarn6:tail=128")
   measure                    fidelity, audit, memory, sizes, tradeoff, experiments
   viz, widgets, live, cli    figures, notebook widgets, the command line
 """
 
 __version__ = "0.1.0"
 
-from . import (
-    mlx_lm_hooks,
-    schemes,  # noqa: F401  (registers the built-in schemes, and their cache classes in mlx-lm)
-)
+from . import mlx_lm_hooks
 from .cache import AffineCache, AffineRotCache, BlockCache, BlockScheme, FP16Cache, KVarNCache
 from .cache.saved import SavedCacheError, load_prompt_cache
 from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.tradeoff.versus, ...)

@@ -1,6 +1,6 @@
 """The kvarn format: records (variance-normalized 128x128 tiles of K or V, bit-packed) and a cache's regions.
 
-This is the one home of kvarn's layout, read by the cache (`cache/kvarn.py`), the kernels
+This is the one home of kvarn's layout, read by the cache (`cache/kvarn/`), the kernels
 (`kernels/`) and the figures: nothing here knows a cache class.
 
 A record holds one KV head's 128-channel slice of 128 consecutive tokens, already

@@ -47,7 +47,7 @@ def test_parse_scheme_spec(text, expected):
 @pytest.mark.parametrize("text, message", [
     ("kvarn7", "bits=7 is not supported"),
     ("affine5", "bits=5 is not supported"),
-    ("affine:k8v4", "only kvarn"),
+    ("affine:k8v4", "only kivi, kvarn"),
     ("bogus4", "unknown scheme"),
     ("", "non-empty"),
     ("kvarn6:tail=lots", "must be an integer"),

@@ -13,7 +13,7 @@ from conftest import random_kv, tiny_llama
 
 import gmlx_lab
 from gmlx_lab.cache.affine import AffineRotCache
-from gmlx_lab.cache.floatq import FORMATS
+from gmlx_lab.cache.float import FORMATS
 from gmlx_lab.cache.turboquant import gaussian_codebook, pack_bits, unpack_bits
 from gmlx_lab.registry import SCHEMES, get_scheme
 from gmlx_lab.rotation import rotation_problem

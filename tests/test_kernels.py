@@ -297,7 +297,7 @@ def test_a_decode_call_is_kept_while_its_inputs_are(monkeypatch: pytest.MonkeyPa
     (KVarNCache._fused_call): decode steps into a new 128-token tile of recent tokens, after a seal, a trim, a
     changed setting and a changed path each match the reference; the tile, the seal, the setting and the path
     prepare a new call."""
-    import gmlx_lab.cache.kvarn as kvarn_module
+    import gmlx_lab.cache.kvarn.cache as kvarn_module
 
     made = []
 

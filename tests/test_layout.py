@@ -197,3 +197,23 @@ def test_the_package_reads_at_most_three_environment_variables_each_in_the_readm
     documented = set(re.findall(r"^\| `(GMLX_[A-Z_]+)` \|", readme, re.MULTILINE))
     assert read and read <= documented, f"read but not in the README's table: {sorted(read - documented)}"
     assert len(documented) <= 3, f"more than three variables: {sorted(documented)}"
+
+
+def test_a_built_in_scheme_is_one_folder() -> None:
+    """Each built-in scheme's cache class and registry entry live in gmlx_lab/cache/<folder>/ (cache.py, scheme.py);
+    the registry's order is the folders' (fp16 first, then by name); there is no second list of schemes."""
+    from gmlx_lab.cache import scheme_folders
+    from gmlx_lab.registry import SCHEMES
+
+    root = Path(__file__).resolve().parents[1] / "gmlx_lab"
+    assert not (root / "schemes").exists()
+    folders = scheme_folders()
+    assert folders[0] == "fp16" and folders[1:] == sorted(folders[1:])
+    built_in = [s for s in SCHEMES.values()
+                if s.cache_class is not None and s.cache_class.__module__.startswith("gmlx_lab.")]
+    for scheme in built_in:
+        folder = scheme.cache_class.__module__.split(".")[2]
+        assert scheme.cache_class.__module__ == f"gmlx_lab.cache.{folder}.cache", scheme.name
+        assert folder in folders and (root / "cache" / folder / "scheme.py").is_file(), scheme.name
+    order = list(dict.fromkeys(s.cache_class.__module__.split(".")[2] for s in built_in))
+    assert order == folders

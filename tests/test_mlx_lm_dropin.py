@@ -174,7 +174,7 @@ def test_speculative_decoding_with_a_kvarn_draft_cache_at_tail_0(model, tokens):
 @pytest.mark.parametrize(
     "scheme, options, message",
     [
-        ("int4", {}, "unknown scheme 'int4'; accepted: fp16, affine, affine_rot, kvarn"),
+        ("int4", {}, "unknown scheme 'int4'; accepted: fp16, affine, affine_rot, float, kivi, kvarn"),
         ("affine", {"bits": 5}, "affine: bits=5 is not supported; accepted: 2, 3, 4, 6, 8"),
         ("affine", {"group_size": 16}, "group_size=16 is not supported; accepted: 32, 64, 128"),
         ("kvarn", {"bits": 7}, "kvarn: bits=7 is not supported; accepted: 2, 3, 4, 5, 6, 8"),

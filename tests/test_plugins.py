@@ -31,7 +31,7 @@ TOY = Path(toy_scheme.__file__)
 
 
 def test_registered_and_parsed_like_a_built_in(model, capsys):
-    assert SCHEMES["toy"] is toy_scheme.SCHEME and list(SCHEMES)[:4] == ["fp16", "affine", "affine_rot", "kvarn"]
+    assert SCHEMES["toy"] is toy_scheme.SCHEME and list(SCHEMES)[:4] == ["fp16", "affine", "affine_rot", "float"]
     assert gmlx_lab.parse_scheme_spec("toy4:tail=0") == ("toy", {"bits": 4, "kv_tail_tokens": 0})
     cache = gmlx_lab.make_cache(model, "toy", bits=4, name="tiny")
     assert capsys.readouterr().out.strip() == ("[kv] tiny: toy4 tail=16 -> quantized 3/4 attn layers "
@@ -42,13 +42,14 @@ def test_registered_and_parsed_like_a_built_in(model, capsys):
 
 
 def test_unknown_names_and_values_are_clear_errors(model):
-    with pytest.raises(ValueError, match="unknown scheme 'toyz'; accepted: fp16, affine, affine_rot, kvarn, .*toy"):
+    accepted = "fp16, affine, affine_rot, float, kivi, kvarn, .*toy"
+    with pytest.raises(ValueError, match=f"unknown scheme 'toyz'; accepted: {accepted}"):
         gmlx_lab.make_cache(model, "toyz", quiet=True)
     with pytest.raises(ValueError, match="toy: bits=6 is not supported; accepted: 4, 8"):
         gmlx_lab.make_cache(model, "toy", quiet=True, bits=6)
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['group_size'\]; accepted options: bits, "):
         gmlx_lab.parse_scheme_spec("toy8:g=32")
-    split = "only kvarn, turboquant, kivi store K and V at different widths; toy has one 'bits'"
+    split = "only kivi, kvarn, turboquant store K and V at different widths; toy has one 'bits'"
     with pytest.raises(ValueError, match=split):
         gmlx_lab.parse_scheme_spec("toy:k8v4")
 
@@ -347,9 +348,9 @@ def _private(name: str) -> bool:
 
 
 def test_no_string_dispatch_on_scheme_names_outside_the_registry_and_the_schemes():
-    """`x == "kvarn"`, `x in ("affine", ...)`: only the registry and each scheme's own module (schemes/, cache/)."""
+    """`x == "kvarn"`, `x in ("affine", ...)`: only the registry and each scheme's own folder (cache/)."""
     names = {"fp16", "affine", "affine_rot", "kvarn"}
-    own = ("gmlx_lab.registry", "gmlx_lab.schemes", "gmlx_lab.cache")
+    own = ("gmlx_lab.registry", "gmlx_lab.cache")
     problems = []
     for path, module, source in _python_sources():
         if not module.startswith("gmlx_lab") or module.startswith(own):

@@ -27,7 +27,7 @@ A layer's tokens live in three stores, oldest first (`block_regions` is the geom
 A block is encoded once it is complete, has left the tail and a later update has arrived: an update attends
 to its own tokens exactly, and its tokens can always be trimmed (speculative decoding). `encode_on_arrival =
 True` encodes complete blocks at once instead, the latest update's too (mlx-lm's affine cache does that, in
-blocks of one token: cache/affine.py); an update due whole goes straight into blocks, and a trim drops whole
+blocks of one token: cache/affine/); an update due whole goes straight into blocks, and a trim drops whole
 blocks (a cache that never saw them would hold the blocks before them no differently).
 The body's buffers grow by `body_step` blocks at once: 1 (the default) sizes them exactly; one-token blocks
 grow by 256, as mlx-lm's caches do, so a decode step writes in place instead of copying the body (the room
@@ -64,7 +64,7 @@ from ..regions import block_regions, due_tokens
 from ..registry import SCHEMES, Scheme
 from . import saved
 from .base import GmlxCache, array_bytes
-from .fp16 import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
+from .buffers import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
 
 __all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
 

@@ -1,6 +1,6 @@
 """The kvarn scheme: Hadamard rotation and variance-normalized 128-token records, fp16 sink and tail.
 
-The cache is `cache/kvarn.py`, the record format and the region geometry `records.py`; this module says
+The cache is `cache.py` beside this module, the record format and the region geometry `records.py`; this module says
 what the registry, the policy, the figures and the audit need to know about it.
 """
 
@@ -11,11 +11,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .. import records
-from ..cache.block import BlockScheme
-from ..cache.kvarn import KVarNCache
-from ..records import KVARN_BITS, KVARN_EXT_HEAD_DIMS
-from ..registry import Option, register_scheme
+from ... import records
+from ...records import KVARN_BITS, KVARN_EXT_HEAD_DIMS
+from ...registry import Option, register_scheme
+from ..block import BlockScheme
+from .cache import KVarNCache
 
 KVARN_BITS_ENV = "GMLX_KVARN_BITS"  # K and V widths, "6" or "k6v5", where no width is given
 

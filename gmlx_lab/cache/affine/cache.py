@@ -17,15 +17,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from .. import window
-from ..kernels import SplitCounter, active_backend, affine_attend, affine_supported
-from ..records import KV
-from ..registry import GROUP_SIZES
-from ..rotation import rotation_problem
-from .attention import apply_mask
-from .base import array_bytes
-from .block import BlockCache
-from .fp16 import STORE_DTYPE, GrowingBuffer
+from ... import window
+from ...kernels import SplitCounter, active_backend, affine_attend, affine_supported
+from ...records import KV
+from ...registry import GROUP_SIZES
+from ...rotation import rotation_problem
+from ..attention import apply_mask
+from ..base import array_bytes
+from ..block import BlockCache
+from ..buffers import STORE_DTYPE, GrowingBuffer
 
 
 def group_problem(head_dim: int, group_size: int) -> str | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import (
+from ...kernels import (
     MAX_QUERY_TOKENS,
     KvarnCall,
     SplitCounter,
@@ -38,7 +38,7 @@ from ..kernels import (
     selfcheck,
     unpack_records,
 )
-from ..records import (
+from ...records import (
     KV,
     KVARN_HEAD_DIMS,
     SINK_TOKENS,
@@ -49,10 +49,10 @@ from ..records import (
     encode_tokens,
     head_dim_problem,
 )
-from .attention import grouped_attention, merge_partials
-from .base import array_bytes
-from .block import BlockCache
-from .fp16 import STORE_DTYPE
+from ..attention import grouped_attention, merge_partials
+from ..base import array_bytes
+from ..block import BlockCache
+from ..buffers import STORE_DTYPE
 
 __all__ = ["KVarNCache", "SINK_TOKENS"]
 

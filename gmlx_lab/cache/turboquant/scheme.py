@@ -1,5 +1,5 @@
 """The turboquant scheme: randomized Hadamard rotation, Lloyd-Max codes per coordinate, fp16 norms, optional QJL
-residual for K (Zandieh et al., arXiv 2504.19874). The cache is `cache/turboquant.py` on the block base.
+residual for K (Zandieh et al., arXiv 2504.19874). The cache is `cache.py` beside this module, on the block base.
 
 vLLM's presets in this lab's spec grammar: turboquant_k8v4 -> `turboquant:k8v4`, turboquant_4bit_nc ->
 `turboquant4`, turboquant_k3v4_nc (3.5 bits a value) -> `turboquant:k3v4`, turboquant_3bit_nc -> `turboquant3`.
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.block import BlockScheme
-from ..cache.turboquant import TURBOQUANT_BITS, TurboQuantCache
-from ..registry import Option, register_scheme
-from .field_options import split_widths, with_sink
+from ...registry import Option, register_scheme
+from ..block import BlockScheme
+from ..options import split_widths, with_sink
+from .cache import TURBOQUANT_BITS, TurboQuantCache
 
 OPTIONS = (
     Option("bits", 4, "code width for K and V", TURBOQUANT_BITS),

@@ -1,7 +1,8 @@
 """The fp16 scheme: K and V stored as float16, the baseline every other scheme is measured against.
 
-Its cache (`cache/fp16.py`) is not a block cache: it stores tokens as they come, the fp16 store the block base
-keeps its sink and tail in, and encodes nothing; `Scheme.make_cache` builds it from the class, as for a plug-in.
+Its cache (`cache.py` beside this module) is not a block cache: it stores tokens as they come, the fp16 store the
+block base keeps its sink and tail in, and encodes nothing; `Scheme.make_cache` builds it from the class, as for a
+plug-in.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..cache.fp16 import FP16Cache
-from ..registry import BASELINE, Scheme, register_scheme
+from ...registry import BASELINE, Scheme, register_scheme
+from .cache import FP16Cache
 
 
 @dataclass(frozen=True)

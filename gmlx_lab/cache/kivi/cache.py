@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .checked import CheckedBlockCache
-from .fp16 import STORE_DTYPE
+from ..buffers import STORE_DTYPE
+from ..checked import CheckedBlockCache
 
 V_GROUP = 32  # channels of a V token sharing one scale and offset (KIVI's group size)
 KIVI_BITS = (2, 3, 4, 5, 6, 8)  # the widths mx.quantize's affine mode packs

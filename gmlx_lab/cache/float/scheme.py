@@ -1,9 +1,8 @@
 """The float scheme: K/V rows as microscaling floats (mxfp4, nvfp4, mxfp8), optionally Hadamard-rotated first.
 
-The format is the pair (bits, group_size) that `mx.quantize` accepts for it (cache/floatq.py); specs may name it
-("mxfp4", "nvfp4_rot", "mxfp8") or spell it out ("float4:g=16,rot=1"). The block base derives the byte formula,
-the policy rule and the audit.
-What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
+The format is the pair (bits, group_size) that `mx.quantize` accepts for it (cache.py beside this module); specs may
+name it ("mxfp4", "nvfp4_rot", "mxfp8") or spell it out ("float4:g=16,rot=1"). The block base derives the byte formula,
+the policy rule and the audit. What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 """
 
 from __future__ import annotations
@@ -11,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.block import BlockScheme
-from ..cache.floatq import FORMATS, FloatCache, float_format
-from ..registry import Option, register_scheme
-from .field_options import with_sink
+from ...registry import Option, register_scheme
+from ..block import BlockScheme
+from ..options import with_sink
+from .cache import FORMATS, FloatCache, float_format
 
 OPTIONS = (
     Option("bits", 4, "value width: 4 (E2M1) or 8 (E4M3)", (4, 8)),

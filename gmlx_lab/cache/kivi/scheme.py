@@ -1,7 +1,7 @@
 """The kivi scheme: K per channel, V per token, an fp16 recent window (Liu et al., arXiv 2402.02750).
 
-The cache is `cache/kivi.py` on the block base, which derives the byte formula, the policy rule and the audit;
-this module names the options and the label. Notebook 09 builds its own `my_kivi` to teach the block base.
+The cache is `cache.py` beside this module, on the block base, which derives the byte formula, the policy rule and
+the audit; this module names the options and the label. Notebook 09 builds its own `my_kivi` to teach the block base.
 What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.block import BlockScheme
-from ..cache.kivi import KIVI_BITS, KiviCache
-from ..registry import Option, register_scheme
-from .field_options import split_widths, with_sink
+from ...registry import Option, register_scheme
+from ..block import BlockScheme
+from ..options import split_widths, with_sink
+from .cache import KIVI_BITS, KiviCache
 
 OPTIONS = (
     Option("bits", 2, "code width for K and V", KIVI_BITS),

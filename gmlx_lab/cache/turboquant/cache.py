@@ -25,8 +25,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .checked import CheckedBlockCache
-from .fp16 import STORE_DTYPE
+from ..buffers import STORE_DTYPE
+from ..checked import CheckedBlockCache
 
 TURBOQUANT_BITS = (2, 3, 4, 8)
 

@@ -1,17 +1,17 @@
-"""The affine schemes: mlx-lm's grouped N-bit quantization of each token's K/V row, and the same after a
-per-head Hadamard rotation (affine_rot, llama.cpp's attention rotation: llama.cpp Hadamard-rotates Q/K/V for
-every quantized KV cache type by default since April 2026, PR 21038, so affine_rot is that baseline). The caches
-are `cache/affine.py`, on the block base: the byte formula, the roundtrip and the audit come from the class
-(BlockScheme), as for a plug-in; this module names the options, the label and the policy rule."""
+"""The affine schemes: mlx-lm's grouped N-bit quantization of each token's K/V row, and the same after a per-head
+Hadamard rotation (affine_rot, llama.cpp's attention rotation: llama.cpp Hadamard-rotates Q/K/V for every quantized KV
+cache type by default since April 2026, PR 21038, so affine_rot is that baseline). The caches are in `cache.py` beside
+this module, on the block base: the byte formula, the roundtrip and the audit come from the class (BlockScheme), as for
+a plug-in; this module names the options, the label and the policy rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.affine import AffineCache, AffineRotCache
-from ..cache.block import BlockScheme
-from ..registry import AFFINE_BITS, GROUP_SIZES, Option, register_scheme
+from ...registry import AFFINE_BITS, GROUP_SIZES, Option, register_scheme
+from ..block import BlockScheme
+from .cache import AffineCache, AffineRotCache
 
 OPTIONS = (
     Option("bits", 8, "code width in bits", AFFINE_BITS),

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .checked import CheckedBlockCache
+from ..checked import CheckedBlockCache
 
 FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group_size) -> mx.quantize mode
 
