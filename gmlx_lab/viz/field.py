@@ -21,7 +21,7 @@ from plotly.subplots import make_subplots
 from ..registry import BASELINE, get_scheme
 from ..specs import parse_scheme_spec, scheme_label
 from .figures import BASELINE_LINE, LABEL_BACKGROUND
-from .style import log_ticks, num, scheme_color, trace_styles
+from .style import SYMBOLS, log_ticks, num, scheme_color, trace_styles
 
 __all__ = ["SchemeIdea", "field_kl_figure", "inline_labels", "field_passkey_figure", "idea_figure", "scheme_idea"]
 
@@ -75,12 +75,14 @@ def scheme_idea(k: np.ndarray, v: np.ndarray, spec: str) -> SchemeIdea:
 def idea_figure(idea: SchemeIdea, height: int = 300) -> go.Figure:
     """|error| of the K read back per token and channel (left; white rows: kept fp16) and per channel, beside the
     tile's own mean |K| per channel (right, log): where a scheme's scales meet outlier channels."""
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.15,
                         subplot_titles=("|K read back - K| per token and channel",
                                         "per channel: mean |K| and mean |error|"))
     color = scheme_color(idea.label)
     fig.add_heatmap(z=idea.error.T, colorscale=[[0, "#ffffff"], [1, color]], zmin=0,
-                    zmax=float(np.percentile(idea.error, 99.5)) or 1.0, showscale=False, row=1, col=1,
+                    zmax=float(np.percentile(idea.error, 99.5)) or 1.0, row=1, col=1,
+                    colorbar={"title": {"text": "|error|", "side": "right"}, "x": 0.545, "len": 0.85,
+                              "thickness": 10},
                     hovertemplate="token %{x}, channel %{y}: |error| %{z:.3g}<extra></extra>")
     channels = np.arange(idea.k.shape[1])
     mean_k = np.abs(idea.k).mean(axis=0)
@@ -142,20 +144,27 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
     model, policy, length = cases.pop()
     drawn = [r for r in rows if r["scheme"] != BASELINE and r["decode_median_kl"] > 0]
     zero = [r["label"] for r in rows if r["scheme"] != BASELINE and r["decode_median_kl"] <= 0]
-    styles = trace_styles(r["label"] for r in drawn)
-    shares = [100 * r["bytes_per_token"] / r["fp16_bytes_per_token"] for r in drawn]
+    points: dict[tuple[float, float], list[dict[str, Any]]] = {}  # rows at one place are one point, named for all
+    for r in drawn:
+        points.setdefault((round(100 * r["bytes_per_token"] / r["fp16_bytes_per_token"], 2),
+                           r["decode_median_kl"]), []).append(r)
+    shares = [x for x, _ in points]
     x_range = [max(0.0, 10 * np.floor(min(shares, default=0) / 10) - 10), 108]
-    named = inline_labels([(x, r["decode_median_kl"], r["label"]) for x, r in zip(shares, drawn)], x_range)
+    labels = {key: ", ".join(r["label"] for r in same) for key, same in points.items()}
+    named = {list(points)[i] for i in inline_labels([(x, y, labels[(x, y)]) for x, y in points], x_range)}
     fig = go.Figure()
-    for i, (share, r) in enumerate(zip(shares, drawn)):
-        style = styles[r["label"]]
-        fig.add_scatter(x=[share], y=[r["decode_median_kl"]], mode="markers+text" if i in named else "markers",
-                        name=r["label"], text=[r["label"]] if i in named else None, textposition="middle right",
-                        textfont={"size": 10, "color": style["color"]},
-                        marker={"size": 10, "symbol": style["symbol"], "color": style["color"]},
-                        hovertemplate=(f"{html.escape(r['label'])}: %{{x:.1f}}% of fp16 "
-                                       f"({num(r['bytes_per_token'])} B/token), KL %{{y:.2e}} nats, top-1 "
-                                       f"{100 * r['top1']:.1f}%<extra></extra>"))
+    for i, family in enumerate(dict.fromkeys(r["scheme"] for r in drawn)):  # one legend entry a scheme
+        mine = [key for key, same in points.items() if same[0]["scheme"] == family]
+        color = scheme_color(points[mine[0]][0]["label"])
+        fig.add_scatter(
+            x=[x for x, _ in mine], y=[y for _, y in mine], mode="markers+text", name=family,
+            text=[labels[key] if key in named else "" for key in mine], textposition="middle right",
+            textfont={"size": 10, "color": color},
+            marker={"size": 10, "symbol": SYMBOLS[i % len(SYMBOLS)], "color": color},
+            customdata=[[html.escape(labels[key]), num(points[key][0]["bytes_per_token"]),
+                         f"{100 * points[key][0]['top1']:.1f}"] for key in mine],
+            hovertemplate="%{customdata[0]}: %{x:.1f}% of fp16 (%{customdata[1]} B/token), KL %{y:.2e} nats, "
+                          "top-1 %{customdata[2]}%<extra></extra>")
     fig.add_vline(x=100, line=BASELINE_LINE)
     fig.add_annotation(x=100, y=1, yref="paper", yanchor="bottom", xanchor="right", showarrow=False,
                        text="fp16 (KL 0)", font={"size": 11, "color": BASELINE_LINE["color"]},

@@ -24,6 +24,7 @@ __all__ = ["MAX_DIGITS", "context_ticks", "figure_problems", "log_ticks", "num",
            "scheme_of", "shade", "significant_digits", "trace_styles"]
 
 MAX_DIGITS = 4  # at most this many significant digits in any number a figure prints
+MAX_LEGEND = 12  # at most this many legend entries: beyond it, shades are told apart by hovering only
 OTHER_COLOR = "#444444"  # a label that names no registered scheme, where it stands alone
 # Labels that name no scheme (model families, layer kinds) take these in order, skipping the schemes' colours.
 CATEGORY_COLORS = ("#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e",
@@ -258,6 +259,12 @@ def _log_axis_problem(fig: go.Figure, key: str) -> str | None:
     return None
 
 
+def _coloraxis_shown(layout: go.Layout, name: str) -> bool:
+    """Whether a shared colour axis (coloraxis, coloraxis2, ...) draws its scale."""
+    axis = layout[name] if name in layout else None
+    return axis is not None and axis.showscale is not False
+
+
 def figure_problems(fig: go.Figure) -> list[str]:
     """What in `fig` breaks the lab's figure rules, one sentence each (an empty list: none).
 
@@ -269,7 +276,9 @@ def figure_problems(fig: go.Figure) -> list[str]:
       fall in its span (`log_ticks` sets readable ones);
     - a printed number with more than MAX_DIGITS significant digits: trace text (after its texttemplate), hover
       fields printed without a format, trace names, annotations (subplot titles too), the title, axis titles.
-      Integers are exact counts (tokens, bytes) and pass.
+      Integers are exact counts (tokens, bytes) and pass;
+    - a legend of more than MAX_LEGEND entries (group or facet beyond that: similar shades cannot be told apart);
+    - a heatmap without its colour scale (a colour that means a number needs its key).
     """
     problems: list[str] = []
     layout = fig.layout
@@ -310,6 +319,17 @@ def figure_problems(fig: go.Figure) -> list[str]:
         colorbar = getattr(tr, "colorbar", None)
         if colorbar is not None and colorbar.ticktext is not None:
             problems += _text_problems(f"{who} colorbar ticks", colorbar.ticktext)
+    if len(legend_names) > MAX_LEGEND and layout.showlegend is not False:
+        problems.append(f"the legend lists {len(legend_names)} entries; at most {MAX_LEGEND} (group or facet)")
+    scales: dict[tuple[Any, ...], list[bool]] = {}  # heatmaps sharing one colour mapping: is any scale drawn?
+    for tr in fig.data:
+        if tr.type == "heatmap":
+            shown = _coloraxis_shown(layout, tr.coloraxis) if tr.coloraxis else tr.showscale is not False
+            key = (tr.coloraxis, str(tr.colorscale), tr.zmin, tr.zmax, tr.zmid)
+            scales.setdefault(key, []).append(shown)
+    for (axis, *_), shown in scales.items():
+        if not any(shown):
+            problems.append(f"{len(shown)} heatmap(s) without a colour scale" + (f" ({axis})" if axis else ""))
     for key in sorted(used_axes):
         if key in layout and not _has_title(layout, key):
             problems.append(f"{key} shows data but has no title")
