@@ -405,12 +405,30 @@ def _hover_label(page) -> bool:
     return False
 
 
+# Every plotly figure with a slider on the page, moved to its last step (or its first, if it opens on the last) by
+# the step's own animate call, as dragging the slider does: True where what is drawn changed. No kernel is involved.
+SLIDE_EVERY_SLIDER = """async () => {
+  const figs = [...document.querySelectorAll('.plotly-graph-div')].filter(d => (d.layout.sliders || []).length);
+  const moved = [];
+  for (const d of figs) {
+    const state = () => JSON.stringify(d.data.map(t => [t.x, t.y, t.z]));
+    const before = state();
+    const steps = d.layout.sliders[0].steps;
+    const step = steps[(d.layout.sliders[0].active || 0) === steps.length - 1 ? 0 : steps.length - 1];
+    await Plotly.animate(d, step.args[0], step.args[1]);
+    moved.push(before !== state());
+  }
+  return moved;
+}"""
+
+
 def test_book_site_renders(browser: Browser, served_book) -> None:
-    """Every page: its plotly figures drawn (live: each has its mode bar, and one shows a hover label), no script
-    error, nothing fetched from outside localhost, the run box with Binder and the two local commands; and the
-    index links them all."""
+    """Every page: its plotly figures drawn (live: each has its mode bar, and one shows a hover label), every
+    slider figure moving without a kernel (02, 03 and 04 have one), no script error, nothing fetched from outside
+    localhost, the run box with Binder and the two local commands; and the index links them all."""
     base, pages = served_book
     outside, errors, hovered = [], [], False
+    slid: dict[str, list[bool]] = {}  # each page's slider figures: did the last step change what is drawn?
     shots = BOOK / "screenshots"
     shots.mkdir(exist_ok=True)
     page = browser.browser.new_page(viewport={"width": 1300, "height": 1600})
@@ -449,8 +467,13 @@ def test_book_site_renders(browser: Browser, served_book) -> None:
             page.screenshot(path=str(shots / target.with_suffix(".png").name))
             if figures and not hovered:
                 hovered = _hover_label(page)
+            slid[target.name] = page.evaluate(SLIDE_EVERY_SLIDER)
     finally:
         page.close()
     assert hovered, "no figure showed a hover label"
+    for name in ("02_hadamard.html", "03_kvarn_records.html", "04_sink_and_tail.html"):
+        assert slid.get(name), f"{name}: no slider figure (frames computed at build time) in the book page"
+    stuck = {name: moves for name, moves in slid.items() if not all(moves)}
+    assert not stuck, f"slider figures that did not move without a kernel: {stuck}"
     assert not errors, errors[:5]
     assert not outside, f"the book tried to reach outside localhost: {outside[:5]}"

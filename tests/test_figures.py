@@ -82,6 +82,11 @@ def _shapes() -> dict:
             "recurrent": viz.LayerShape("recurrent", 0, 0, 0, fixed_bytes=300_000)}
 
 
+def _normalize_slider() -> go.Figure:
+    tile = np.random.default_rng(0).normal(size=(8, 8)) * np.where(np.arange(8) == 2, 6.0, 1.0)[:, None]
+    return viz.normalize_slider(tile, viz.normalize_rounds(tile, 3))
+
+
 def _toy_normalize() -> go.Figure:
     tile = np.random.default_rng(0).normal(0, 1, (8, 8)) * np.array([1, 1, 6, 1, 1, 1, 1, 1])[:, None]
     scaled, score = viz.normalize_rounds(tile, 2)[2]
@@ -116,6 +121,11 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "imbalance_figure": lambda: [viz.imbalance_figure(*viz.normalize_history(viz.hadamard(_k()[128:]).T))],
     "normalize_toy_figure": lambda: [_toy_normalize()],
     "code_histogram": lambda: [viz.code_histogram(_record())],
+    "butterfly_slider": lambda: [viz.butterfly_slider(viz.butterfly_stages(np.eye(8)[2] * 8 + 0.1))],
+    "normalize_slider": lambda: [_normalize_slider()],
+    "regions_slider": lambda: [viz.regions_slider(128), viz.regions_slider(1024, start=2048, max_context=2048)],
+    "slider_figure": lambda: [viz.slider_figure([viz.regions_bar(c, 128, max_context=512) for c in (256, 512)],
+                                                ["256", "512"], "context: ", active=1)],
     "regions_bar": lambda: [viz.regions_bar(1500, 1024), viz.regions_bar(900, 0, max_context=2048)],
     "regions_stream": lambda: [viz.regions_stream(2048, 128)],
     "window_stream": lambda: [viz.window_stream(3072, 128, 768)],
@@ -337,3 +347,17 @@ def test_position_kl_figure_leaves_kl_zero_as_gaps_not_a_cliff() -> None:
     assert [t.name for t in fig.data] == ["kvarn4 tail=0", "kvarn4 tail=128"]  # tail=1024 is KL 0 everywhere
     assert all(y is None or y > 1e-6 for t in fig.data for y in t.y)  # no point pulled down to a floor
     assert any("nothing quantized): kvarn4 tail=1024" in (a.text or "") for a in fig.layout.annotations)
+
+
+def test_a_slider_figure_carries_every_state_as_a_frame() -> None:
+    """The slider's steps name the frames one to one, each frame holds the traces of its state, and the figure
+    opens on the active step: it moves in a static page, without a kernel."""
+    figs = [viz.regions_bar(c, 128, max_context=1024) for c in (0, 512, 1024)]
+    fig = viz.slider_figure(figs, ["0", "512", "1024"], "context: ", active=1)
+    (slider,) = fig.layout.sliders
+    assert [list(step.args[0]) for step in slider.steps] == [[f.name] for f in fig.frames] == [["0"], ["512"], ["1024"]]
+    assert slider.active == 1 and fig.data[0].x == figs[1].data[0].x
+    assert [f.data[0].x for f in fig.frames] == [f.data[0].x for f in figs]
+    assert fig.frames[2].layout.title.text == figs[2].layout.title.text
+    with pytest.raises(ValueError, match="one label a figure"):
+        viz.slider_figure(figs, ["0"], "context: ")

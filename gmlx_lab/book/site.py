@@ -74,11 +74,12 @@ def source_hidden(cell: dict[str, Any]) -> bool:
 
 
 def plotly_html(figure: dict[str, Any]) -> str:
-    """A plotly figure's JSON output as a div drawn by the page's plotly.js (no plotly.js inside)."""
+    """A plotly figure's JSON output as a div drawn by the page's plotly.js (no plotly.js inside); a figure with
+    slider frames opens on its slider's step instead of playing through them."""
     import plotly.io as pio
 
     height = figure.get("layout", {}).get("height")
-    return pio.to_html(figure, include_plotlyjs=False, full_html=False, validate=False,
+    return pio.to_html(figure, include_plotlyjs=False, full_html=False, validate=False, auto_play=False,
                        default_height=f"{height}px" if height else "450px", config={"responsive": True})
 
 

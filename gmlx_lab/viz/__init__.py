@@ -22,6 +22,7 @@ from .figures import (
     affine_row_figure,
     bars_figure,
     butterfly_figure,
+    butterfly_slider,
     bytes_label,
     channel_figure,
     code_histogram,
@@ -34,15 +35,18 @@ from .figures import (
     kernel_times_figure,
     kl_strip,
     layer_kind_figure,
+    normalize_slider,
     normalize_toy_figure,
     passkey_heatmaps,
     policy_strip,
     position_kl_figure,
     record_figure,
     regions_bar,
+    regions_slider,
     regions_stream,
     sink_layers_figure,
     sink_mass_figure,
+    slider_figure,
     stall_figure,
     stall_shares,
     table_html,
@@ -93,7 +97,8 @@ __all__ = [
 __all__ += ["Say", "say"]
 __all__ += ["SchemeIdea", "field_kl_figure", "field_passkey_figure", "idea_figure", "scheme_idea"]
 __all__ += ["context_ticks", "log_ticks"]
-__all__ += ["capacity_figure", "scale_spans", "verdict_figure"]
+__all__ += ["butterfly_slider", "capacity_figure", "normalize_slider", "regions_slider", "scale_spans",
+            "slider_figure", "verdict_figure"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 

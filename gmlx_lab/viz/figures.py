@@ -185,6 +185,32 @@ def channel_figure(k: np.ndarray, title: str = "per-channel magnitude of K") -> 
     return fig
 
 
+def slider_figure(figures: list[go.Figure], labels: list[str], prefix: str, active: int = 0) -> go.Figure:
+    """One figure whose slider steps through `figures` (the same traces on the same axes), all computed now as
+    plotly frames: it moves in a static page too, where no kernel answers a widget. Each step carries its figure's
+    traces, title, shapes and annotations."""
+    if not figures or len(figures) != len(labels) or not 0 <= active < len(figures):
+        raise ValueError(f"slider_figure needs one label a figure and an active step among them; got "
+                         f"{len(figures)} figures, {len(labels)} labels, active {active}")
+    fig = go.Figure(figures[active])
+    fig.frames = [go.Frame(data=f.data, name=label, layout={"title": f.layout.title, "shapes": f.layout.shapes,
+                                                             "annotations": f.layout.annotations})
+                  for f, label in zip(figures, labels)]
+    steps = [{"method": "animate", "label": label,
+              "args": [[label], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
+                                 "transition": {"duration": 0}}]} for label in labels]
+    margin = fig.layout.margin.b or 50
+    fig.update_layout(sliders=[{"active": active, "steps": steps, "currentvalue": {"prefix": prefix},
+                                "pad": {"t": 40}}], margin={"b": margin + 70}, height=(fig.layout.height or 450) + 70)
+    return fig
+
+
+def butterfly_slider(stages: list[np.ndarray]) -> go.Figure:
+    """`butterfly_figure` at every stage, a slider between them."""
+    return slider_figure([butterfly_figure(stages, s) for s in range(len(stages))],
+                         [str(s) for s in range(len(stages))], "stage: ")
+
+
 def butterfly_figure(stages: list[np.ndarray], stage: int) -> go.Figure:
     """An 8-point Hadamard, one butterfly stage at a time: the vector after `stage` stages (0: the input).
 
@@ -301,6 +327,12 @@ def code_histogram(rec: records.Records) -> go.Figure:
     return fig
 
 
+def normalize_slider(tile: np.ndarray, rounds: list[tuple[np.ndarray, float]]) -> go.Figure:
+    """`normalize_toy_figure` after 0, 1, ... rounds (`quant.normalize_rounds`), a slider between them."""
+    return slider_figure([normalize_toy_figure(tile, scaled, r, imbalance) for r, (scaled, imbalance)
+                          in enumerate(rounds)], [str(r) for r in range(len(rounds))], "rounds: ")
+
+
 def regions_bar(context: int, tail: int, title: str | None = None, max_context: int | None = None) -> go.Figure:
     """The kvarn cache as one bar of regions (sink | records | live | tail) after `context` tokens.
 
@@ -319,6 +351,16 @@ def regions_bar(context: int, tail: int, title: str | None = None, max_context: 
     if max_context:
         fig.update_xaxes(range=[0, max_context])
     return fig
+
+
+def regions_slider(tail: int, start: int = 960, max_context: int = 4096, step: int = 64) -> go.Figure:
+    """`regions_bar` every `step` tokens up to `max_context`, a context slider between them (the axis fixed),
+    opening at `start` tokens (a context where every region holds tokens)."""
+    contexts = list(range(0, max_context + 1, step))
+    fig = slider_figure([regions_bar(c, tail, max_context=max_context) for c in contexts],
+                        [str(c) for c in contexts], "context: ", active=min(start // step, len(contexts) - 1))
+    return fig.update_layout(legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
+                             margin={"t": 95})  # the legend above the bar, the slider below it
 
 
 def regions_stream(max_context: int, tail: int, step: int = 16) -> go.Figure:
