@@ -12,6 +12,7 @@ of a scheme for you, and notebook 09).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,12 @@ BASELINE = "fp16"  # the scheme every policy falls back to, and the reference of
 # them, and they sit below both, so these constants live here.
 AFFINE_BITS = (2, 3, 4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+
+
+def constructor_default(cls: type, name: str) -> Any:
+    """The default a cache class's constructor gives `name`: a scheme's Option takes it from there, so the cache
+    built by hand and the scheme built by name never disagree (one home for each default)."""
+    return inspect.signature(cls.__init__).parameters[name].default
 
 
 @dataclass(frozen=True)

@@ -217,3 +217,21 @@ def test_a_built_in_scheme_is_one_folder() -> None:
         assert folder in folders and (root / "cache" / folder / "scheme.py").is_file(), scheme.name
     order = list(dict.fromkeys(s.cache_class.__module__.split(".")[2] for s in built_in))
     assert order == folders
+
+
+def test_a_cache_and_its_scheme_share_their_defaults() -> None:
+    """A built-in cache built by hand and its scheme built by name agree on every default the constructor names."""
+    import inspect
+
+    from gmlx_lab.registry import SCHEMES
+
+    for scheme in SCHEMES.values():
+        if scheme.cache_class is None or not scheme.cache_class.__module__.startswith("gmlx_lab."):
+            continue
+        params = inspect.signature(scheme.cache_class.__init__).parameters
+        for option in scheme.options:
+            if option.name in params and option.default is not None:
+                assert params[option.name].default == option.default, (scheme.name, option.name)
+        if "k_bits" in params and "bits" in {o.name for o in scheme.options}:
+            bits = next(o.default for o in scheme.options if o.name == "bits")
+            assert params["k_bits"].default == params["v_bits"].default == bits, scheme.name

@@ -9,14 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...registry import AFFINE_BITS, GROUP_SIZES, Option, register_scheme
+from ...registry import AFFINE_BITS, GROUP_SIZES, Option, constructor_default, register_scheme
 from ..block import BlockScheme
 from .cache import AffineCache, AffineRotCache
 
-OPTIONS = (
-    Option("bits", 8, "code width in bits", AFFINE_BITS),
-    Option("group_size", 64, "values per group sharing one fp16 scale and offset", GROUP_SIZES),
-    Option("quantized_kv_start", 0, "keep fp16 until the context reaches this many tokens"),
+OPTIONS = (  # the defaults are the cache's own (AffineCache.__init__)
+    Option("bits", constructor_default(AffineCache, "bits"), "code width in bits", AFFINE_BITS),
+    Option("group_size", constructor_default(AffineCache, "group_size"),
+           "values per group sharing one fp16 scale and offset", GROUP_SIZES),
+    Option("quantized_kv_start", constructor_default(AffineCache, "quantized_kv_start"),
+           "keep fp16 until the context reaches this many tokens"),
 )
 
 

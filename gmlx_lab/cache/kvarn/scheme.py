@@ -13,20 +13,21 @@ from typing import Any
 
 from ... import records
 from ...records import KVARN_BITS, KVARN_EXT_HEAD_DIMS
-from ...registry import Option, register_scheme
+from ...registry import Option, constructor_default, register_scheme
 from ..block import BlockScheme
 from .cache import KVarNCache
 
 KVARN_BITS_ENV = "GMLX_KVARN_BITS"  # K and V widths, "6" or "k6v5", where no width is given
 
-OPTIONS = (
-    Option("bits", 6, "code width for K and V", KVARN_BITS),
+OPTIONS = (  # the defaults are the cache's own (KVarNCache.__init__: one width for K and V)
+    Option("bits", constructor_default(KVarNCache, "k_bits"), "code width for K and V", KVARN_BITS),
     Option("k_bits", None, "code width for K (default: bits)", KVARN_BITS),
     Option("v_bits", None, "code width for V (default: bits)", KVARN_BITS),
-    Option("kv_tail_tokens", 1024, "newest tokens kept in fp16"),
-    Option("norm_iters", 16, "variance-normalization rounds per record", minimum=0),
-    Option("head_dim_ext", 0, "1: also head dims 64 and 96, records of 128 tokens by the whole head "
-           "(outside gmlx's format; gmlx declines such layers)", (0, 1)),
+    Option("kv_tail_tokens", constructor_default(KVarNCache, "kv_tail_tokens"), "newest tokens kept in fp16"),
+    Option("norm_iters", constructor_default(KVarNCache, "norm_iters"), "variance-normalization rounds per record",
+           minimum=0),
+    Option("head_dim_ext", constructor_default(KVarNCache, "head_dim_ext"), "1: also head dims 64 and 96, records "
+           "of 128 tokens by the whole head (outside gmlx's format; gmlx declines such layers)", (0, 1)),
 )
 
 
