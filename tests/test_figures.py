@@ -361,3 +361,13 @@ def test_a_slider_figure_carries_every_state_as_a_frame() -> None:
     assert fig.frames[2].layout.title.text == figs[2].layout.title.text
     with pytest.raises(ValueError, match="one label a figure"):
         viz.slider_figure(figs, ["0"], "context: ")
+
+
+def test_more_names_than_free_colours_still_look_apart() -> None:
+    """Nine model families (notebook 00) on six free category colours: the colours come round with another dash."""
+    from gmlx_lab.models import FAMILIES
+
+    styles = viz.trace_styles(list(FAMILIES))
+    looks = [(s["color"], s["dash"]) for s in styles.values()]
+    assert len(FAMILIES) > 6 and len(set(looks)) == len(looks)
+    assert styles["llama"]["dash"] == "solid"

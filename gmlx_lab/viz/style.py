@@ -29,6 +29,7 @@ OTHER_COLOR = "#444444"  # a label that names no registered scheme, where it sta
 # Labels that name no scheme (model families, layer kinds) take these in order, skipping the schemes' colours.
 CATEGORY_COLORS = ("#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e",
                    "#17becf", "#7f7f7f", "#393b79", "#637939")
+REPEAT_DASHES = ("solid", "dot", "dashdot")  # a category colour's first, second and third use
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon")
 _KV_WORDS = {"k": "solid", "v": "dash"}
 
@@ -82,14 +83,18 @@ def trace_styles(labels: Iterable[str]) -> dict[str, dict[str, str]]:
         if variant not in variants[name]:
             variants[name].append(variant)
     taken = {s.color for s in SCHEMES.values()}
-    free = iter([c for c in CATEGORY_COLORS if c not in taken] * 4)
-    bases = {name: SCHEMES[name].color if name in SCHEMES else next(free) for name in variants}
+    free = [c for c in CATEGORY_COLORS if c not in taken]
+    others = [name for name in variants if name not in SCHEMES]
+    # more names than free colours: the colours come round again with another dash, so no two lines look alike
+    bases = {name: (free[k % len(free)], REPEAT_DASHES[(k // len(free)) % len(REPEAT_DASHES)])
+             for k, name in enumerate(others)}
     out = {}
     for label, (name, variant, dash) in parts.items():
         i, n = variants[name].index(variant), len(variants[name])
         amount = 0.0 if n == 1 else -0.4 + 0.8 * i / (n - 1)  # darker ... lighter (the middle one: the colour)
-        base = bases[name]
-        out[label] = {"color": shade(base, amount), "dash": dash, "symbol": SYMBOLS[i % len(SYMBOLS)]}
+        base, repeat_dash = bases.get(name, (SCHEMES[name].color if name in SCHEMES else OTHER_COLOR, "solid"))
+        out[label] = {"color": shade(base, amount), "dash": repeat_dash if dash == "solid" else dash,
+                      "symbol": SYMBOLS[i % len(SYMBOLS)]}
     return out
 
 
