@@ -44,6 +44,6 @@ def capacity_figure(rows: list[BatchRow], title: str) -> go.Figure:
     fig.update_yaxes(title_text="tokens a second", rangemode="tozero", row=1, col=2)
     fig.update_xaxes(title_text="cache", row=1, col=1)
     fig.update_xaxes(title_text="cache", row=1, col=2)
-    fig.update_layout(template="plotly_white", title=title, height=480, margin={"l": 60, "r": 20, "t": 80, "b": 120},
+    fig.update_layout(template="plotly_white", title=title, height=500, margin={"l": 60, "r": 20, "t": 110, "b": 120},
                       legend={"orientation": "h", "y": -0.42})
     return fig

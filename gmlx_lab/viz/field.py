@@ -75,13 +75,13 @@ def scheme_idea(k: np.ndarray, v: np.ndarray, spec: str) -> SchemeIdea:
 def idea_figure(idea: SchemeIdea, height: int = 300) -> go.Figure:
     """|error| of the K read back per token and channel (left; white rows: kept fp16) and per channel, beside the
     tile's own mean |K| per channel (right, log): where a scheme's scales meet outlier channels."""
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.15,
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.18,
                         subplot_titles=("|K read back - K| per token and channel",
                                         "per channel: mean |K| and mean |error|"))
     color = scheme_color(idea.label)
     fig.add_heatmap(z=idea.error.T, colorscale=[[0, "#ffffff"], [1, color]], zmin=0,
                     zmax=float(np.percentile(idea.error, 99.5)) or 1.0, row=1, col=1,
-                    colorbar={"title": {"text": "|error|", "side": "right"}, "x": 0.545, "len": 0.85,
+                    colorbar={"title": {"text": "|error|", "side": "right"}, "x": 0.52, "len": 0.85,
                               "thickness": 10},
                     hovertemplate="token %{x}, channel %{y}: |error| %{z:.3g}<extra></extra>")
     channels = np.arange(idea.k.shape[1])

@@ -292,11 +292,11 @@ def imbalance_figure(history: list[float], best: int, tol: float = 1e-3) -> go.F
 def normalize_toy_figure(tile: np.ndarray, scaled: np.ndarray, round_: int, imbalance: float) -> go.Figure:
     """A small tile after `round_` normalization rounds: its values (heatmap) and each row's and column's spread."""
     row_std, col_std = scaled.std(1, ddof=1), scaled.std(0, ddof=1)
-    fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.3, 0.3], horizontal_spacing=0.13,
+    fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.3, 0.3], horizontal_spacing=0.2,
                         subplot_titles=("scaled tile (red +, blue −)", "spread of each row", "spread of each column"))
     lim = float(np.abs(scaled).max()) or 1.0  # each round on its own colour scale: values shrink as rounds divide
     fig.add_heatmap(z=scaled, row=1, col=1, colorscale="RdBu_r", zmid=0, zmin=-lim, zmax=lim,
-                    colorbar={"title": {"text": "value", "side": "right"}, "x": 0.325, "len": 0.85, "thickness": 10},
+                    colorbar={"title": {"text": "value", "side": "right"}, "x": 0.25, "len": 0.85, "thickness": 10},
                     hovertemplate="row %{y}, col %{x}: %{z:.3g}<extra></extra>")
     fig.add_bar(x=np.arange(row_std.size), y=row_std, row=1, col=2, marker_color="#d62728", name="row std",
                 hovertemplate="row %{x}: std %{y:.3g}<extra></extra>")
