@@ -414,6 +414,7 @@ SLIDE_EVERY_SLIDER = """async () => {
     const state = () => JSON.stringify(d.data.map(t => [t.x, t.y, t.z]));
     const before = state();
     const steps = d.layout.sliders[0].steps;
+    if (steps.length < 2) { moved.push(false); continue; }  // a slider with one step: a figure defect
     const step = steps[(d.layout.sliders[0].active || 0) === steps.length - 1 ? 0 : steps.length - 1];
     await Plotly.animate(d, step.args[0], step.args[1]);
     moved.push(before !== state());

@@ -371,3 +371,13 @@ def test_more_names_than_free_colours_still_look_apart() -> None:
     looks = [(s["color"], s["dash"]) for s in styles.values()]
     assert len(FAMILIES) > 6 and len(set(looks)) == len(looks)
     assert styles["llama"]["dash"] == "solid"
+
+
+def test_checker_flags_a_slider_that_cannot_move() -> None:
+    figs = [viz.regions_bar(c, 128, max_context=512) for c in (256, 512)]
+    fig = viz.slider_figure(figs, ["256", "512"], "context: ")
+    assert viz.figure_problems(fig) == []
+    fig.frames = fig.frames[:1]  # a step whose frame is missing
+    assert any("cannot move" in p for p in viz.figure_problems(fig))
+    one = viz.slider_figure(figs[:1], ["256"], "context: ")
+    assert any("1 step(s)" in p for p in viz.figure_problems(one))

@@ -283,7 +283,8 @@ def figure_problems(fig: go.Figure) -> list[str]:
       fields printed without a format, trace names, annotations (subplot titles too), the title, axis titles.
       Integers are exact counts (tokens, bytes) and pass;
     - a legend of more than MAX_LEGEND entries (group or facet beyond that: similar shades cannot be told apart);
-    - a heatmap without its colour scale (a colour that means a number needs its key).
+    - a heatmap without its colour scale (a colour that means a number needs its key);
+    - a slider with fewer than two steps, or one whose steps name frames the figure lacks (it cannot move).
     """
     problems: list[str] = []
     layout = fig.layout
@@ -326,6 +327,12 @@ def figure_problems(fig: go.Figure) -> list[str]:
             problems += _text_problems(f"{who} colorbar ticks", colorbar.ticktext)
     if len(legend_names) > MAX_LEGEND and layout.showlegend is not False:
         problems.append(f"the legend lists {len(legend_names)} entries; at most {MAX_LEGEND} (group or facet)")
+    frames = {f.name for f in fig.frames or ()}
+    for slider in layout.sliders or ():
+        names = [name for step in slider.steps if step.method == "animate" for name in step.args[0]]
+        if len(slider.steps) < 2 or set(names) - frames:
+            problems.append(f"a slider of {len(slider.steps)} step(s) that cannot move (frames named: "
+                            f"{sorted(set(names) & frames)} of {sorted(set(names))})")
     scales: dict[tuple[Any, ...], list[bool]] = {}  # heatmaps sharing one colour mapping: is any scale drawn?
     for tr in fig.data:
         if tr.type == "heatmap":

@@ -68,7 +68,8 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
 
     fig = go.Figure(data=_traces(results, contexts[0], families, styles),
                     frames=[go.Frame(data=_traces(results, c, families, styles), name=context_label(c),
-                                     layout={"title": {"text": title(c)}}) for c in contexts])
+                                     layout={"title": {"text": title(c)}}) for c in contexts]
+                    if len(contexts) > 1 else [])
     steps = [{"method": "animate", "label": context_label(c),
               "args": [[context_label(c)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
                                     "transition": {"duration": 0}}]} for c in contexts]
@@ -91,6 +92,7 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
         xaxis={"title": "stored bytes, % of fp16's at that context (layers kept fp16 included)",
                "range": [5 * (lowest // 5) - 3, 103]},
         yaxis={"title": "mean KL(fp16 || scheme), nats (log)", "type": "log", **log_ticks(values)},
-        sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "context: "}, "pad": {"t": 40}}],
+        sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "context: "}, "pad": {"t": 40}}]
+        if len(contexts) > 1 else [],  # one context: nothing to slide to
         legend={"font": {"size": 11}, "title": {"text": "scheme (labels: bits)"}})
     return fig
