@@ -104,3 +104,11 @@ def test_crowded_labels_go_to_the_legend_and_free_ones_stay() -> None:
     assert 0 < sum(bool(x) for x in labels) < len(labels)  # some labels beside their points, the rest on hover
     assert fig.layout.showlegend and len(fig.data) == len({r["scheme"] for r in field.case_rows(
         rows, "gemma3-270m", "default", 4096, "fidelity") if r["scheme"] != "fp16"})  # one legend entry a scheme
+
+
+def test_rows_at_one_place_get_one_name() -> None:
+    from gmlx_lab.viz.field import joined_label
+
+    assert joined_label(["kvarn2 tail=1024", "kvarn4 tail=1024", "kvarn6 tail=1024"]) == "kvarn2/4/6 tail=1024"
+    assert joined_label(["mxfp4", "nvfp4"]) == "mxfp4, nvfp4"  # not only the width differs
+    assert joined_label(["kvarn4 tail=128"]) == "kvarn4 tail=128"

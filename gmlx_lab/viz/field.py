@@ -133,6 +133,18 @@ def inline_labels(points: list[tuple[float, float, str]], x_range: list[float], 
     return named
 
 
+def joined_label(labels: list[str]) -> str:
+    """One name for rows drawn at one place: "kvarn2/4/6 tail=1024" where only the width differs, else a list."""
+    heads = [label.split(" ", 1) for label in labels]
+    rests = {h[1] if len(h) > 1 else "" for h in heads}
+    stems = {h[0].rstrip("0123456789") for h in heads}
+    if len(labels) > 1 and len(rests) == 1 and len(stems) == 1 and all(h[0] != h[0].rstrip("0123456789")
+                                                                        for h in heads):
+        stem = stems.pop()
+        return f"{stem}{'/'.join(h[0][len(stem):] for h in heads)} {rests.pop()}".strip()
+    return ", ".join(labels)
+
+
 def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height: int = 600) -> go.Figure:
     """Decode median KL against cache bytes per token (share of fp16), one marker per scheme of one case; fp16 the
     dotted vertical line. Schemes with KL exactly 0 (nothing quantized at this length) are listed in the title."""
@@ -150,7 +162,7 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
                            r["decode_median_kl"]), []).append(r)
     shares = [x for x, _ in points]
     x_range = [max(0.0, 10 * np.floor(min(shares, default=0) / 10) - 10), 108]
-    labels = {key: ", ".join(r["label"] for r in same) for key, same in points.items()}
+    labels = {key: joined_label([r["label"] for r in same]) for key, same in points.items()}
     named = {list(points)[i] for i in inline_labels([(x, y, labels[(x, y)]) for x, y in points], x_range)}
     fig = go.Figure()
     for i, family in enumerate(dict.fromkeys(r["scheme"] for r in drawn)):  # one legend entry a scheme
@@ -158,7 +170,8 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
         color = scheme_color(points[mine[0]][0]["label"])
         fig.add_scatter(
             x=[x for x, _ in mine], y=[y for _, y in mine], mode="markers+text", name=family,
-            text=[labels[key] if key in named else "" for key in mine], textposition="middle right",
+            text=[labels[key] if key in named else "" for key in mine],
+            textposition=["middle left" if x > x_range[1] - 15 else "middle right" for x, _ in mine],  # the edge
             textfont={"size": 10, "color": color},
             marker={"size": 10, "symbol": SYMBOLS[i % len(SYMBOLS)], "color": color},
             customdata=[[html.escape(labels[key]), num(points[key][0]["bytes_per_token"]),
