@@ -21,7 +21,7 @@ from plotly.subplots import make_subplots
 from ..registry import BASELINE, get_scheme
 from ..specs import parse_scheme_spec, scheme_label
 from .figures import BASELINE_LINE, LABEL_BACKGROUND
-from .style import SYMBOLS, log_ticks, num, scheme_color, trace_styles
+from .style import SYMBOLS, log_ticks, num, scheme_color, trace_styles, wrapped
 
 __all__ = ["SchemeIdea", "field_kl_figure", "inline_labels", "field_passkey_figure", "idea_figure", "scheme_idea"]
 
@@ -100,8 +100,11 @@ def idea_figure(idea: SchemeIdea, height: int = 300) -> go.Figure:
     fig.update_yaxes(title_text="channel", row=1, col=1)
     fig.update_xaxes(title_text="channel", row=1, col=2)
     regions = ", ".join(f"{name} {n}" for name, n in (idea.regions or {}).items() if n) or "every token alike"
-    fig.update_layout(**{**_LAYOUT, "margin": {**_LAYOUT["margin"], "t": 95}}, height=height, showlegend=False,
-                      title=f"<b>{html.escape(idea.label)}</b>: {html.escape(idea.summary)}<br><sup>tokens read back "
+    head = "<br>".join(html.escape(line) for line in wrapped(f"{idea.label}: {idea.summary}").split("<br>"))
+    head = head.replace(f"{html.escape(idea.label)}:", f"<b>{html.escape(idea.label)}</b>:", 1)
+    lines = head.count("<br>")
+    fig.update_layout(**{**_LAYOUT, "margin": {**_LAYOUT["margin"], "t": 110 + 24 * lines}}, height=height + 24 * lines,
+                      showlegend=False, title=f"{head}<br><sup>tokens read back "
                             f"exactly (fp16): {idea.exact_tokens} of {idea.k.shape[0]} · regions: {regions} · "
                             f"{num(idea.bytes_per_token)} bytes per token (K and V, one head)</sup>")
     return fig

@@ -11,6 +11,7 @@ tails, widths) get shades of that colour, darkest first, and a marker each; a tr
 
 from __future__ import annotations
 
+import html
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -21,9 +22,11 @@ import plotly.graph_objects as go
 from ..registry import SCHEMES, spec_prefixes
 
 __all__ = ["MAX_DIGITS", "context_ticks", "figure_problems", "log_ticks", "num", "scheme_color", "scheme_colors",
-           "scheme_of", "shade", "significant_digits", "trace_styles"]
+           "scheme_of", "shade", "significant_digits", "trace_styles", "wrapped"]
 
 MAX_DIGITS = 4  # at most this many significant digits in any number a figure prints
+MAX_TITLE_CHARS = 100  # a title line's characters that fit a notebook's page at plotly's title size
+MAX_SUBTITLE_CHARS = 150  # the same for a <sup> line under it
 MAX_LEGEND = 12  # at most this many legend entries: beyond it, shades are told apart by hovering only
 OTHER_COLOR = "#444444"  # a label that names no registered scheme, where it stands alone
 # Labels that name no scheme (model families, layer kinds) take these in order, skipping the schemes' colours.
@@ -264,6 +267,29 @@ def _log_axis_problem(fig: go.Figure, key: str) -> str | None:
     return None
 
 
+def wrapped(text: str, width: int = MAX_TITLE_CHARS) -> str:
+    """Plain text broken into lines of at most `width` characters at spaces, joined by <br> (for a plotly title)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return "<br>".join(lines)
+
+
+def _long_title_lines(title: str | None) -> list[str]:
+    """Title lines (split at <br>, tags removed) too long for a notebook's page: plotly clips them."""
+    problems = []
+    for line in re.split(r"<br\s*/?>", title or ""):
+        limit = MAX_SUBTITLE_CHARS if "<sup>" in line else MAX_TITLE_CHARS
+        text = html.unescape(re.sub(r"<[^>]+>", "", line))
+        if len(text) > limit:
+            problems.append(f"a title line of {len(text)} characters (at most {limit}; break it with <br>): "
+                            f"{text[:40]}...")
+    return problems
+
+
 def _coloraxis_shown(layout: go.Layout, name: str) -> bool:
     """Whether a shared colour axis (coloraxis, coloraxis2, ...) draws its scale."""
     axis = layout[name] if name in layout else None
@@ -284,7 +310,8 @@ def figure_problems(fig: go.Figure) -> list[str]:
       Integers are exact counts (tokens, bytes) and pass;
     - a legend of more than MAX_LEGEND entries (group or facet beyond that: similar shades cannot be told apart);
     - a heatmap without its colour scale (a colour that means a number needs its key);
-    - a slider with fewer than two steps, or one whose steps name frames the figure lacks (it cannot move).
+    - a slider with fewer than two steps, or one whose steps name frames the figure lacks (it cannot move);
+    - a title line longer than MAX_TITLE_CHARS (MAX_SUBTITLE_CHARS in <sup>): a notebook's page clips it.
     """
     problems: list[str] = []
     layout = fig.layout
@@ -348,6 +375,7 @@ def figure_problems(fig: go.Figure) -> list[str]:
         if key in layout and (problem := _log_axis_problem(fig, key)):
             problems.append(problem)
     problems += _text_problems("the title", [layout.title.text])
+    problems += _long_title_lines(layout.title.text)
     problems += _text_problems("an annotation", [a.text for a in layout.annotations])
     for key in sorted(used_axes):
         if key in layout and layout[key].title is not None:
