@@ -535,7 +535,8 @@ def position_kl_figure(result: Any, title: str | None = None) -> go.Figure:
 def kernel_times_figure(data: dict[str, Any], title: str | None = None) -> go.Figure:
     """Decode attention time against context, one line per implementation (benchmarks/results/decode_attention-*).
 
-    Colour: the scheme (shade per width); solid: the fused kernel, dashed: mlx-lm's path; fp16 SDPA is the baseline.
+    Colour: the scheme (shade per width); solid: the fused kernel, dashed: mlx-lm's path; fp16 SDPA is the baseline,
+    drawn first as a wide pale band so a kernel as fast as it lies on it without hiding it.
     """
     rows = data["rows"]
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -550,9 +551,10 @@ def kernel_times_figure(data: dict[str, Any], title: str | None = None) -> go.Fi
         pts = sorted((r["context"], r["us"]) for r in rows if r["impl"] == impl)
         st = styles[f"{scheme_names[impl]}{widths[impl]}"]
         dash = "solid" if impl.startswith("fused") or scheme_names[impl] == BASELINE else "dash"
+        base = scheme_names[impl] == BASELINE  # a wide pale band under the others: a kernel on it leaves it seen
         fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=impl,
-                        line={"color": st["color"], "dash": dash, "width": 3 if scheme_names[impl] == BASELINE else 2},
-                        marker={"symbol": st["symbol"], "size": 8},
+                        line={"color": st["color"], "dash": dash, "width": 8 if base else 2},
+                        opacity=0.5 if base else 1.0, marker={"symbol": st["symbol"], "size": 12 if base else 8},
                         hovertemplate="%{x} tokens: %{y:.3g} µs<extra>" + html.escape(impl) + "</extra>")
     fig.update_xaxes(**context_ticks(r["context"] for r in rows))
     fig.update_yaxes(**log_ticks(r["us"] for r in rows))
