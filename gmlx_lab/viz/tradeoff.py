@@ -149,8 +149,10 @@ def size_figure(curves: dict[str, Sequence[float]], contexts: Sequence[int],
         if at is not None:
             fig.add_vline(x=at, line_dash="dash", line_color="#555555", line_width=1)
             tokens = f"{at}" if at < 10000 else f"{at / 1000:.1f}K"  # 4 significant digits at most
+            right_half = math.log10(at) > sum(span) / 2  # there the label reads leftwards, inside the plot
             fig.add_annotation(x=math.log10(at), y=1 - 0.1 * i, yref="paper", text=f"{text}: {tokens} tokens",
-                               showarrow=False, xanchor="left", bgcolor="rgba(255,255,255,0.8)")  # log axis: log10
+                               showarrow=False, xanchor="right" if right_half else "left",
+                               bgcolor="rgba(255,255,255,0.8)")  # log axis: log10
     return fig
 
 
