@@ -23,6 +23,7 @@ from .style import (  # noqa: F401  (scheme_color: imported from here too)
     CATEGORY_COLORS,
     OTHER_COLOR,
     context_ticks,
+    frame_slider,
     log_ticks,
     num,
     scheme_color,
@@ -196,12 +197,9 @@ def slider_figure(figures: list[go.Figure], labels: list[str], prefix: str, acti
     fig.frames = [go.Frame(data=f.data, name=label, layout={"title": f.layout.title, "shapes": f.layout.shapes,
                                                              "annotations": f.layout.annotations})
                   for f, label in zip(figures, labels)]
-    steps = [{"method": "animate", "label": label,
-              "args": [[label], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
-                                 "transition": {"duration": 0}}]} for label in labels]
     margin = fig.layout.margin.b or 50
-    fig.update_layout(sliders=[{"active": active, "steps": steps, "currentvalue": {"prefix": prefix},
-                                "pad": {"t": 40}}], margin={"b": margin + 70}, height=(fig.layout.height or 450) + 70)
+    fig.update_layout(sliders=[frame_slider(labels, prefix, active)], margin={"b": margin + 70},
+                      height=(fig.layout.height or 450) + 70)
     return fig
 
 

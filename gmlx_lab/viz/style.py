@@ -22,7 +22,7 @@ import plotly.graph_objects as go
 from ..registry import SCHEMES, spec_prefixes
 
 __all__ = ["MAX_DIGITS", "context_ticks", "figure_problems", "log_ticks", "num", "scheme_color", "scheme_colors",
-           "scheme_of", "shade", "significant_digits", "trace_styles", "wrapped"]
+           "frame_slider", "scheme_of", "shade", "significant_digits", "trace_styles", "wrapped"]
 
 MAX_DIGITS = 4  # at most this many significant digits in any number a figure prints
 MAX_TITLE_CHARS = 100  # a title line's characters that fit a notebook's page at plotly's title size
@@ -89,13 +89,14 @@ def trace_styles(labels: Iterable[str]) -> dict[str, dict[str, str]]:
     free = [c for c in CATEGORY_COLORS if c not in taken]
     others = [name for name in variants if name not in SCHEMES]
     # more names than free colours: the colours come round again with another dash, so no two lines look alike
-    bases = {name: (free[k % len(free)], REPEAT_DASHES[(k // len(free)) % len(REPEAT_DASHES)])
-             for k, name in enumerate(others)}
+    bases = {name: (SCHEMES[name].color, "solid") for name in variants if name in SCHEMES}
+    bases.update({name: (free[k % len(free)], REPEAT_DASHES[(k // len(free)) % len(REPEAT_DASHES)])
+                  for k, name in enumerate(others)})
     out = {}
     for label, (name, variant, dash) in parts.items():
         i, n = variants[name].index(variant), len(variants[name])
         amount = 0.0 if n == 1 else -0.4 + 0.8 * i / (n - 1)  # darker ... lighter (the middle one: the colour)
-        base, repeat_dash = bases.get(name, (SCHEMES[name].color if name in SCHEMES else OTHER_COLOR, "solid"))
+        base, repeat_dash = bases[name]
         out[label] = {"color": shade(base, amount), "dash": repeat_dash if dash == "solid" else dash,
                       "symbol": SYMBOLS[i % len(SYMBOLS)]}
     return out
@@ -265,6 +266,15 @@ def _log_axis_problem(fig: go.Figure, key: str) -> str | None:
         return (f"{key} ticks whole decades but its span holds {max(labels, 0)} of them: "
                 "set its ticks with style.log_ticks(values)")
     return None
+
+
+def frame_slider(labels: list[str], prefix: str, active: int = 0) -> dict[str, Any]:
+    """A plotly slider whose step i shows the frame named labels[i] at once (no transition): a figure's own control,
+    which moves in a static page as well as in JupyterLab."""
+    steps = [{"method": "animate", "label": label,
+              "args": [[label], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
+                                 "transition": {"duration": 0}}]} for label in labels]
+    return {"active": active, "steps": steps, "currentvalue": {"prefix": prefix}, "pad": {"t": 40}}
 
 
 def wrapped(text: str, width: int = MAX_TITLE_CHARS) -> str:

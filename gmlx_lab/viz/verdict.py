@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from ..measure.banded import Row
 from ..measure.verdict import BUDGETS, METRIC, VerdictResults, context_label
 from ..registry import BASELINE
-from .style import log_ticks, num, trace_styles
+from .style import frame_slider, log_ticks, num, trace_styles
 
 
 def _family(row: Row) -> str:
@@ -70,9 +70,6 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
                     frames=[go.Frame(data=_traces(results, c, families, styles), name=context_label(c),
                                      layout={"title": {"text": title(c)}}) for c in contexts]
                     if len(contexts) > 1 else [])
-    steps = [{"method": "animate", "label": context_label(c),
-              "args": [[context_label(c)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
-                                    "transition": {"duration": 0}}]} for c in contexts]
     fig.add_vline(x=100, line={"color": "#444444", "dash": "dash"}, annotation_text="fp16 (KL 0)",
                   annotation_position="bottom left")
     for b in budgets:
@@ -92,7 +89,7 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
         xaxis={"title": "stored bytes, % of fp16's at that context (layers kept fp16 included)",
                "range": [5 * (lowest // 5) - 3, 103]},
         yaxis={"title": "mean KL(fp16 || scheme), nats (log)", "type": "log", **log_ticks(values)},
-        sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "context: "}, "pad": {"t": 40}}]
+        sliders=[frame_slider([context_label(c) for c in contexts], "context: ")]
         if len(contexts) > 1 else [],  # one context: nothing to slide to
         legend={"font": {"size": 11}, "title": {"text": "scheme (labels: bits)"}})
     return fig
