@@ -42,7 +42,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from fidelity_sweep import machine
-from model_decode import MLX_LM_SCHEMES, SHAPES, device_name, git_commit, new_cache, percentile, shaped_model
+from model_decode import (
+    MLX_LM_SCHEMES,
+    SHAPES,
+    cache_bytes,
+    device_name,
+    git_commit,
+    new_cache,
+    percentile,
+    shaped_model,
+)
 
 from gmlx_lab.cli import scheme_list
 from gmlx_lab.kernels import active_backend
@@ -118,7 +127,7 @@ class Resident:
         try:
             seconds = fill(model, self.cache, batch, context, args.chunk, args.seed)
             self.row.update({"fill_s": round(seconds, 2),
-                             "cache_bytes_after_fill": sum(c.nbytes for c in self.cache)})
+                             "cache_bytes_after_fill": cache_bytes(self.cache)})
         except Exception as err:  # noqa: BLE001  (a scheme that cannot run here is recorded, not hidden)
             self.row["error"] = f"fill: {type(err).__name__}: {err}"[:400]
 
@@ -133,7 +142,7 @@ class Resident:
     def finish(self) -> dict[str, Any]:
         if "error" not in self.row and self.intervals:
             self.row.update(summary(self.intervals, self.row["batch"]))
-            self.row["cache_bytes"] = sum(c.nbytes for c in self.cache)
+            self.row["cache_bytes"] = cache_bytes(self.cache)
         return self.row
 
 
