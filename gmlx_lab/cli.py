@@ -1,9 +1,11 @@
-"""The `gmlx-lab` command: compare, fidelity, policy, memory, passkey, draft, weights-kv, lab and book.
+"""The `gmlx-lab` command: compare, fidelity, policy, plan, memory, passkey, draft, weights-kv, lab and book.
 
     gmlx-lab policy llama                      # the [kv] line and per-layer decisions of a specimen
     gmlx-lab fidelity --schemes affine4,kvarn4:tail=128 --prefill 1400 --decode 128
     gmlx-lab compare --schemes fp16,affine2,kvarn6
     gmlx-lab memory --context 4096
+    gmlx-lab plan --scheme kvarn:tail=128 --budget 0.45 --context 2048 --out plan.json   # per-layer widths
+    gmlx-lab compare --plan plan.json          # generation under the plan (policy --plan: its decisions)
     gmlx-lab passkey --schemes fp16,affine2,kvarn2:tail=0 --lengths 1024,2048   # Gemma 3 270M by default
     gmlx-lab draft --schemes fp16,affine4,kvarn4:tail=0 --draft-layers 4
     gmlx-lab weights-kv --weight-bits fp16,8,4,3 --schemes fp16,affine4,kvarn4:tail=0
@@ -147,9 +149,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
     specs = scheme_list(args.schemes)
     model, _ = load_model(args.model_name)
     reports = []
-    for spec in specs:
-        scheme, options = read_scheme_spec(spec)
-        chosen = policy(model, scheme, **overrides(args), **options)
+    chosen_all = [policy(model, plan=args.plan)] if args.plan else \
+        [policy(model, s, **overrides(args), **o) for s, o in map(read_scheme_spec, specs)]
+    for chosen in chosen_all:
         reports.append(chosen.as_dict())
         if args.json:
             continue
@@ -228,9 +230,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     reference: list[int] | None = None
     rows = []
-    for spec in specs:
-        scheme, options = read_scheme_spec(spec)
-        chosen = policy(model, scheme, max_kv_size=args.max_kv_size, **overrides(args), **options)
+    chosen_all = [policy(model, s, max_kv_size=args.max_kv_size, **overrides(args), **o)
+                  for s, o in map(read_scheme_spec, specs)]
+    if args.plan:
+        chosen_all.append(policy(model, plan=args.plan, max_kv_size=args.max_kv_size))
+    for chosen in chosen_all:
         cache = chosen.make_cache()
         tokens, prefill_s, rate = greedy(model, prompt, cache, args.max_tokens)
         report = audit(cache)
@@ -247,6 +251,40 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"prompt {len(prompt)} tokens, {args.max_tokens} greedy tokens per scheme; "
           f"⟨≠⟩ marks the first token that differs from {rows[0][0]}")
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .measure.planner import choose, plan_markdown, sensitivity
+    from .specs import read_scheme_spec
+
+    scheme, options = read_scheme_spec(args.scheme)
+    model, tokenizer = load_model(args.model)
+    if tokenizer is None:
+        raise ValueError(f"{args.model}: a plan reads the shipped passages, which needs the model's tokenizer "
+                         "(teaching-llama, smollm2-135m, gemma3-270m or a folder with one)")
+    sens = sensitivity(model, tokenizer, scheme, args.context, quantize_last=args.quantize_last,
+                       quantize_sliding=args.quantize_sliding, progress=not args.quiet, **options)
+    chosen = choose(sens, args.budget)
+    if args.json:
+        print(json.dumps(chosen.to_dict(), indent=1))
+    else:
+        print(plan_markdown(sens, chosen))
+    if args.out:
+        chosen.save(args.out)
+        print(f"wrote {args.out}: gmlx_lab.make_cache(model, plan={args.out!r}), or gmlx-lab compare --plan "
+              f"{args.out}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def budget_share(text: str) -> float:
+    """A memory budget as a share of fp16's bytes: 0.5 or 50%."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share; accepted: 0.5 or 50%") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside (0, 1]; accepted: a share of fp16's bytes such as 0.5")
+    return value
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -443,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=count, default=40, help="greedy tokens per scheme (default 40)")
     p.add_argument("--max-kv-size", type=count, default=None,
                    help="rolling window: the attention layers keep this many tokens (sink + newest), quantized")
+    p.add_argument("--plan", default=None, metavar="FILE", help="also generate under a plan (gmlx-lab plan --out)")
     p.set_defaults(run=cmd_compare)
 
     p = sub.add_parser("fidelity", parents=[model, quiet, override], help="teacher-forced KL against the fp16 cache")
@@ -462,7 +501,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a folder")
     p.add_argument("--schemes", default="kvarn,affine", help="comma-separated specs (default kvarn,affine)")
     p.add_argument("--json", action="store_true", help="print the kv_quant dicts as JSON")
+    p.add_argument("--plan", default=None, metavar="FILE", help="the decisions of a plan instead of --schemes")
     p.set_defaults(run=cmd_policy)
+
+    p = sub.add_parser("plan", parents=[model, quiet], help="per-layer widths under a memory budget, from each "
+                       "layer's measured sensitivity")
+    p.add_argument("--scheme", default="kvarn:tail=128",
+                   help="the scheme and its options but the widths (default kvarn:tail=128)")
+    p.add_argument("--budget", type=budget_share, default=0.5, help="a share of fp16's bytes (default 0.5)")
+    p.add_argument("--context", type=count, default=2048, help="the context the budget holds at (default 2048)")
+    p.add_argument("--quantize-last", action="store_true", help="the last layer of a deep stack is the plan's "
+                   "to decide too")
+    p.add_argument("--quantize-sliding", action="store_true", help="sliding-window layers are the plan's too")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the plan as JSON (make_cache(plan=FILE))")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("memory", parents=[model, override], help="resident cache bytes per scheme, layer and region")
     p.add_argument("--context", type=count, default=4096, help="tokens in the cache (default 4096)")

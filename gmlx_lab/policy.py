@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -40,6 +40,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from . import window
 from .cache import GmlxCache
 from .kernels import precompiled, selfcheck
+from .plans import Plan, load_plan, widths_label
 from .registry import BASELINE, Scheme, get_scheme
 
 
@@ -56,6 +57,7 @@ class LayerDecision:
     k_head_dim: int | None = None
     v_head_dim: int | None = None
     window: int | None = None  # a sliding-window layer's window: the tokens each query sees
+    options: dict[str, Any] = field(default_factory=dict)  # this layer's own widths (a plan), over the policy's
 
     @property
     def grows(self) -> bool:
@@ -215,8 +217,9 @@ class Policy:
 
     def __init__(self, model: nn.Module, name: str, scheme: str, options: dict[str, Any],
                  layers: list[LayerDecision], max_kv_size: int | None = None, overrides: Overrides | None = None,
-                 environment: str = ""):
+                 environment: str = "", plan: Plan | None = None):
         self.model, self.name, self.scheme, self.options, self.layers = model, name, scheme, options, layers
+        self.plan = plan  # per-layer widths (plans.py), set in `layers[i].options`
         self.max_kv_size = max_kv_size  # the rolling window of the growing attention layers (window.py)
         self.overrides = overrides or Overrides()  # exploration beyond gmlx's rule (default: none)
         self.environment = environment  # what the environment chose (Scheme.environment), '' for nothing
@@ -224,8 +227,14 @@ class Policy:
 
     @property
     def label(self) -> str:
-        """The scheme's label, with the overrides (e.g. `kvarn4 tail=128 +last +sliding`)."""
+        """The scheme's label, with the overrides (e.g. `kvarn4 tail=128 +last +sliding`), or the plan's."""
+        if self.plan is not None:
+            return self.plan.label
         return get_scheme(self.scheme).label(self.options) + self.overrides.suffix()
+
+    def layer_options(self, index: int) -> dict[str, Any]:
+        """The options layer `index` is stored with: the policy's, with the layer's own widths (a plan) over them."""
+        return {**self.options, **self.layers[index].options}
 
     @property
     def quantized(self) -> list[LayerDecision]:
@@ -282,6 +291,12 @@ class Policy:
                             "of 128 leave)")
         if self.environment:
             notes.insert(0, self.environment)
+        if self.plan is not None:
+            widths = {}  # widths label -> layers
+            for d in self.layers:
+                if d.index in self.plan.widths:
+                    widths.setdefault(widths_label(self.plan.widths[d.index]), []).append(d.index)
+            notes.insert(0, "widths by the plan: " + ", ".join(f"{_group(ix)} {w}" for w, ix in widths.items()))
         return "".join(f"; {n}" for n in notes)
 
     def as_dict(self) -> dict[str, Any]:
@@ -300,13 +315,14 @@ class Policy:
             "attention_layers": sum(d.grows for d in self.layers),
             "quantized_sliding_layers": sum(d.kind == "sliding-window" for d in self.quantized),
             "overrides": self.overrides.as_dict(),
+            "plan": None if self.plan is None else self.plan.to_dict(),
             "layers": [asdict(d) for d in self.layers],
         }
 
     def windowed(self, max_kv_size: int | None) -> Policy:
         """The same decisions with a rolling window of `max_kv_size` tokens on the growing attention layers."""
         chosen = Policy(self.model, self.name, self.scheme, self.options, self.layers, max_kv_size, self.overrides,
-                        self.environment)
+                        self.environment, self.plan)
         if max_kv_size is not None:  # the quantized layers roll as their scheme says, fp16 ones by the shared rule
             where = f"{self.name}: {self.label}"
             if self.quantized:
@@ -320,7 +336,7 @@ class Policy:
         out = PromptCache(policy=self)
         for d, native in zip(self.layers, make_prompt_cache(self.model)):
             if d.decision != BASELINE:
-                out.append(get_scheme(d.decision).make_cache(self.options, layer=d.index))
+                out.append(get_scheme(d.decision).make_cache(self.layer_options(d.index), layer=d.index))
                 if d.kind == "sliding-window":  # serves the model's window (see the module docstring)
                     out[-1].set_window(window.sliding_hold(d.window, self.options.get("kv_tail_tokens")))
                     out[-1].set_sliding(d.window)
@@ -375,15 +391,22 @@ def model_name(model: nn.Module) -> str:
     return str(name or type(model).__module__.rsplit(".", 1)[-1])
 
 
-def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, max_kv_size: int | None = None,
-           layers: list[int] | None = None, fp16_layers: list[int] | None = None, quantize_last: bool = False,
-           quantize_sliding: bool = False, **options: Any) -> Policy:
-    """Decide, for each of the model's cache entries, how `scheme` stores it and why.
+def policy(model: nn.Module, scheme: str | None = None, *, name: str | None = None,
+           max_kv_size: int | None = None, layers: list[int] | None = None, fp16_layers: list[int] | None = None,
+           quantize_last: bool = False, quantize_sliding: bool = False, plan: Plan | dict | str | None = None,
+           **options: Any) -> Policy:
+    """Decide, for each of the model's cache entries, how `scheme` (default kvarn) stores it and why.
 
     `max_kv_size`: make the growing attention layers rolling windows of that many tokens (gmlx's --max-kv-size),
     quantized under the scheme; a window a layer cannot roll (kvarn: smaller than sink + tail + two groups) is
     refused here. `layers`, `fp16_layers`, `quantize_last`, `quantize_sliding`: overrides of gmlx's rule for
-    exploration (see `Overrides` and the module docstring); bad indices raise a ValueError naming the range."""
+    exploration (see `Overrides` and the module docstring); bad indices raise a ValueError naming the range.
+    `plan`: per-layer widths (a `Plan`, its dict or its JSON file: `gmlx_lab.plan`), which bring their scheme,
+    options and overrides; only `name` and `max_kv_size` go with it."""
+    if plan is not None:
+        return planned_policy(model, load_plan(plan), scheme, name, max_kv_size, layers, fp16_layers,
+                              quantize_last, quantize_sliding, options)
+    scheme = scheme or "kvarn"
     spec = get_scheme(scheme)
     values = spec.resolve(**options)
     probed = probe_layers(model)
@@ -405,15 +428,59 @@ def policy(model: nn.Module, scheme: str = "kvarn", *, name: str | None = None, 
     return chosen.windowed(max_kv_size)
 
 
-def make_cache(model: nn.Module, scheme: str = "kvarn", *, quiet: bool = False, name: str | None = None,
+def planned_policy(model: nn.Module, plan: Plan, scheme: str | None, name: str | None, max_kv_size: int | None,
+                   layers: Any, fp16_layers: Any, quantize_last: bool, quantize_sliding: bool,
+                   options: dict[str, Any]) -> Policy:
+    """The policy of `plan` on `model`: its scheme's rule under its overrides, then its widths layer by layer.
+
+    Refused with a ValueError: another scheme, options or overrides beside the plan, and a plan that does not fit
+    the model (a layer it quantizes that the rule keeps fp16, a quantized layer it has no widths for)."""
+    where = f"plan {plan.label} for {plan.model}"
+    if scheme is not None and scheme != plan.scheme:
+        raise ValueError(f"{where}: the plan is for {plan.scheme}, not {scheme}; drop the scheme or the plan")
+    given = [k for k, v in (("layers", layers), ("fp16_layers", fp16_layers), ("quantize_last", quantize_last),
+                            ("quantize_sliding", quantize_sliding)) if v] + sorted(options)
+    if given:
+        raise ValueError(f"{where}: {', '.join(given)} cannot go with a plan (it sets its own options, overrides "
+                         "and widths); accepted beside it: name, max_kv_size")
+    base = policy(model, plan.scheme, name=name, **plan.overrides, **plan.options)
+    spec = get_scheme(plan.scheme)
+    decided = []
+    for d in base.layers:
+        if d.index not in plan.widths:
+            if d.decision != BASELINE:
+                raise ValueError(f"{where}: the policy quantizes layer {d.index} but the plan has no widths for it "
+                                 f"(the plan decides layers {sorted(plan.widths)}: made for another model?)")
+            decided.append(d)
+            continue
+        widths = plan.widths[d.index]
+        if d.decision == BASELINE and widths is not None:
+            raise ValueError(f"{where}: the plan quantizes layer {d.index}, which the policy keeps fp16 ({d.reason})")
+        if widths is None:
+            decided.append(LayerDecision(**{**asdict(d), "decision": BASELINE, "reason": "kept fp16 by the plan"}))
+            continue
+        try:
+            spec.resolve(**{**plan.options, **widths})
+        except ValueError as err:
+            raise ValueError(f"{where}: layer {d.index}: {err}") from None
+        decided.append(LayerDecision(**{**asdict(d), "options": dict(widths),
+                                        "reason": f"{d.reason}; {widths_label(widths)} by the plan"}))
+    chosen = Policy(model, base.name, plan.scheme, base.options, decided, overrides=base.overrides,
+                    environment=base.environment, plan=plan)
+    return chosen.windowed(max_kv_size)
+
+
+def make_cache(model: nn.Module, scheme: str | None = None, *, quiet: bool = False, name: str | None = None,
                max_kv_size: int | None = None, layers: list[int] | None = None, fp16_layers: list[int] | None = None,
-               quantize_last: bool = False, quantize_sliding: bool = False, **options: Any) -> PromptCache:
+               quantize_last: bool = False, quantize_sliding: bool = False, plan: Plan | dict | str | None = None,
+               **options: Any) -> PromptCache:
     """Apply the policy and return the caches to pass as `prompt_cache`; prints the [kv] line unless quiet.
 
-    `max_kv_size`: rolling windows of that many tokens for the growing attention layers; `layers`,
-    `fp16_layers`, `quantize_last`, `quantize_sliding`: overrides of gmlx's rule (see `policy`)."""
+    `scheme`: default kvarn; `max_kv_size`: rolling windows of that many tokens for the growing attention layers;
+    `layers`, `fp16_layers`, `quantize_last`, `quantize_sliding`: overrides of gmlx's rule; `plan`: per-layer
+    widths from `gmlx_lab.plan` (see `policy`)."""
     chosen = policy(model, scheme, name=name, max_kv_size=max_kv_size, layers=layers, fp16_layers=fp16_layers,
-                    quantize_last=quantize_last, quantize_sliding=quantize_sliding, **options)
+                    quantize_last=quantize_last, quantize_sliding=quantize_sliding, plan=plan, **options)
     cache = chosen.make_cache()  # first: the [kv] line then says if a kernel failed its self-check
     if not quiet:
         print(chosen, file=sys.stdout)

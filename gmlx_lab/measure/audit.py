@@ -101,7 +101,7 @@ def audit(prompt_cache: PromptCache, *, strict: bool = True) -> AuditReport:
         raise AuditError(f"{chosen.label}: {len(prompt_cache)} cache entries, policy has {len(chosen.layers)}")
     layers = []
     for cache, d in zip(prompt_cache, chosen.layers):
-        note = _check_layer(cache, d, chosen.options)
+        note = _check_layer(cache, d, chosen.layer_options(d.index))
         regions = cache.regions() if isinstance(cache, GmlxCache) else {"native": cache.nbytes}
         resident = sum(v for k, v in regions.items() if k != "reserve")
         layers.append(LayerAudit(d.index, d.decision, type(cache).__name__, getattr(cache, "offset", 0),

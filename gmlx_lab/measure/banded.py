@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..policy import PromptCache, policy
+from ..policy import Policy, PromptCache, policy
 from ..registry import BASELINE
 from ..specs import spec_policy
 from .experiments import stored_prefix
@@ -74,8 +74,10 @@ class _Runner:
         for a in range(0, tokens.shape[1], PREFILL_STEP):
             mx.eval(run(tokens[:, a:a + PREFILL_STEP], cache=cache))
 
-    def decode(self, tokens: mx.array, cache: PromptCache) -> mx.array:
-        """(batch, steps, vocab) logits, feeding `tokens` one column at a time."""
+    def decode(self, tokens: mx.array, cache: PromptCache, block: bool = False) -> mx.array:
+        """(batch, steps, vocab) logits, feeding `tokens` one column at a time (`block`: all as one update)."""
+        if block:
+            return self.model(tokens, cache=cache)
         outs = []
         before = copy.deepcopy(cache) if self.parts and not self.checked else None
         for i in range(tokens.shape[1]):
@@ -224,3 +226,30 @@ def banded_fidelity(model: nn.Module, tokenizer: Any, model_name: str, schemes: 
                 on_row(row)
         del snapshot, ref  # the fp16 copy and its logits (gigabytes at Gemma's vocabulary) go before the next prefill
     return rows
+
+
+def policy_metrics(model: nn.Module, tokens: mx.array, context: int, decode: int, policies: Sequence[Policy], *,
+                   block: bool = False, on_policy: Callable[[int, dict[str, list[float]]], None] | None = None,
+                   ) -> list[dict[str, list[float]]]:
+    """Per-passage metrics (`Reference.metrics`) of each policy at one context, on a batch of token windows.
+
+    The method of `banded_fidelity` at one context: the fp16 cache prefills `context` tokens, each policy's cache
+    stores what it held (`stored_prefix`), then the next `decode` tokens are fed, teacher-forced, one at a time;
+    with `block`, as one update (reference too): the same stored K/V read back by every query, at a fraction of
+    the cost, for probes that rank layers rather than report a fidelity."""
+    if context < 1 or decode < 1 or tokens.shape[1] < context + decode + 1:
+        raise ValueError(f"windows of {tokens.shape[1]} tokens cannot hold context {context} + decode {decode} + 1")
+    runner = _Runner(model)
+    ref_cache = policy(model, BASELINE).make_cache()
+    runner.prefill(tokens[:, :context], ref_cache)
+    snapshot = copy.deepcopy(ref_cache)
+    window, targets = tokens[:, context:context + decode], tokens[:, context + 1:context + decode + 1]
+    ref = Reference(runner.decode(window, ref_cache, block))
+    out = []
+    for i, chosen in enumerate(policies):
+        quantized = chosen.as_dict()["quantized_layers"]
+        logits = None if quantized == 0 else runner.decode(window, stored_prefix(snapshot, chosen), block)
+        out.append(ref.metrics(logits, targets))
+        if on_policy is not None:
+            on_policy(i, out[-1])
+    return out

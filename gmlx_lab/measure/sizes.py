@@ -53,4 +53,5 @@ def layer_bytes(shape: LayerShape, decision: str, context: int, options: dict[st
 def policy_bytes(policy: Policy, context: int, shapes: list[LayerShape] | None = None) -> float:
     """Stored bytes of the whole cache after `context` tokens, as the policy decided layer by layer."""
     shapes = shapes or layer_shapes(policy)
-    return sum(layer_bytes(s, d.decision, context, policy.options) for s, d in zip(shapes, policy.layers))
+    return sum(layer_bytes(s, d.decision, context, policy.layer_options(d.index))
+               for s, d in zip(shapes, policy.layers))

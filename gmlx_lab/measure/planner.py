@@ -1,0 +1,307 @@
+"""Your model's plan: per-layer K and V widths under a memory budget, from each layer's measured sensitivity.
+
+    sens = sensitivity(model, tokenizer, "kvarn", context=4096, quantize_last=True)   # the probes (minutes)
+    plan = choose(sens, budget=0.5)           # the widths with the least predicted KL in 50% of fp16's bytes
+    cache = make_cache(model, plan=plan)      # or plan.save("plan.json"); make_cache(model, plan="plan.json")
+
+Sensitivity: for each layer the policy quantizes and each width the scheme accepts, the mean KL(fp16 || probe)
+over the calibration windows when only that layer is stored at that width, every other layer fp16. A scheme that
+stores K and V at separate widths is probed for each apart: K at the width with V at the widest, then V likewise.
+The probes store the fp16 prefix (`stored_prefix`) and read it back with a block of decode tokens fed as one update
+(`banded.policy_metrics(block=True)`): they rank layers, the evaluation measures.
+
+Search: exact, not greedy. Each layer's choices (every width pair, or fp16) have a byte count (the scheme's
+formula at the context) and a predicted KL (the sum of the layer's K and V parts above the widest pair's, plus
+that); the plan's predicted KL is the sum over layers. The Pareto frontier of (bytes, predicted KL) is merged layer
+by layer, keeping only points no other point beats on both: a few layers with a few dozen choices keep it small,
+it is exact under the additive model (greedy on KL per byte can stop short where a width's gain is not convex),
+and it gives the plan for every budget at once (the notebook's slider).
+
+Calibration and evaluation read different text: the calibration windows are every fourth of the model's eight
+passage windows (`passages.windows`), the evaluation (`benchmarks/plan.py`) the other six.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..plans import Plan, width_choices, width_names, widths_label
+from ..policy import LayerDecision, Policy, model_name, policy
+from ..registry import BASELINE, get_scheme
+from .banded import Row, policy_metrics
+from .passages import Window, windows
+from .sizes import layer_bytes, layer_shapes, policy_bytes
+
+WINDOWS = 8  # the model's passage windows; every CALIBRATION_STEP-th calibrates, the others evaluate
+CALIBRATION_STEP = 4
+PROBE_DECODE = 64
+METHOD = ("sensitivity: mean KL(fp16 || probe) over the calibration windows, one layer stored at one width (K and V "
+          "apart where the scheme stores them apart, the other at the widest), every other layer fp16; the fp16 "
+          "prefix stored (stored_prefix), then {decode} tokens fed as one block. Search: the exact Pareto frontier "
+          "of (bytes, predicted KL), predicted KL additive over layers and over K and V.")
+
+
+def split_windows(model: str, tokenizer: Any, length: int) -> tuple[list[Window], list[Window]]:
+    """(calibration, evaluation) windows of `length` tokens: every fourth of the model's eight, and the rest."""
+    found = windows(model, tokenizer, length, WINDOWS)
+    return found[::CALIBRATION_STEP], [w for i, w in enumerate(found) if i % CALIBRATION_STEP]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to store one layer: its widths (None: fp16), its bytes at the context and its predicted KL."""
+
+    widths: dict[str, int] | None
+    bytes: float
+    kl: float
+
+    @property
+    def label(self) -> str:
+        return widths_label(self.widths)
+
+
+@dataclass
+class Sensitivity:
+    """Each planned layer's probes, with the bytes of every choice: enough to plan any budget without the model."""
+
+    model: str
+    scheme: str
+    options: dict[str, Any]  # the scheme's options as given, widths excluded (the tail, ...)
+    overrides: dict[str, Any]
+    context: int
+    decode: int
+    calibration: list[str]  # the windows' names
+    layers: list[int]
+    probes: dict[str, dict[str, dict[str, list[float]]]]  # "K"/"V"/"KV" -> layer -> width -> KL per window
+    bytes: dict[str, dict[str, float]]  # layer -> choice label -> bytes at the context
+    fixed_bytes: float  # the layers the plan does not decide (the policy's fp16 ones, recurrent state, ...)
+    fp16_bytes: float  # the whole cache in fp16 at the context
+    seconds: float = 0.0
+    method: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return width_names(get_scheme(self.scheme))
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return width_choices(get_scheme(self.scheme))
+
+    def kl(self, part: str, layer: int, width: int) -> float:
+        """Mean KL over the calibration windows of one probe: `part` "K", "V" (split widths) or "KV" (one width)."""
+        values = self.probes[part][str(layer)][str(width)]
+        return sum(values) / len(values)
+
+    def predicted(self, layer: int, widths: dict[str, int] | None) -> float:
+        """A layer's predicted KL at these widths: 0 in fp16; with split widths, the widest pair's KL plus what K
+        and V each add above it (a part measured below the widest pair's counts as adding nothing)."""
+        if widths is None:
+            return 0.0
+        if self.names == ("bits",):
+            return self.kl("KV", layer, widths["bits"])
+        base = self.kl("K", layer, self.widths[-1])
+        return base + sum(max(0.0, self.kl(part, layer, widths[name]) - base)
+                          for part, name in (("K", "k_bits"), ("V", "v_bits")))
+
+    def choices(self, layer: int) -> list[Choice]:
+        """Every way to store the layer, fp16 first."""
+        out = [Choice(None, self.bytes[str(layer)]["fp16"], 0.0)]
+        pairs = ([{"bits": b} for b in self.widths] if self.names == ("bits",) else
+                 [{"k_bits": k, "v_bits": v} for k in self.widths for v in self.widths])
+        return out + [Choice(w, self.bytes[str(layer)][widths_label(w)], self.predicted(layer, w)) for w in pairs]
+
+    def frontier(self) -> list[tuple[float, float, tuple[Choice, ...]]]:
+        """The plans no other plan beats on both bytes and predicted KL, as (bytes, predicted KL, choices), fewest
+        bytes first (exact under the additive model)."""
+        points: list[tuple[float, float, tuple[Choice, ...]]] = [(self.fixed_bytes, 0.0, ())]
+        for layer in self.layers:
+            merged = sorted(((b + c.bytes, k + c.kl, picked + (c,)) for b, k, picked in points
+                             for c in self.choices(layer)), key=lambda p: (p[0], p[1]))
+            points, best = [], float("inf")
+            for point in merged:
+                if point[1] < best:
+                    points.append(point)
+                    best = point[1]
+        return points
+
+    def smallest_share(self) -> float:
+        return self.frontier()[0][0] / self.fp16_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "scheme": self.scheme, "options": self.options, "overrides": self.overrides,
+                "context": self.context, "decode": self.decode, "calibration": self.calibration,
+                "layers": self.layers, "probes": self.probes, "bytes": self.bytes, "fixed_bytes": self.fixed_bytes,
+                "fp16_bytes": self.fp16_bytes, "seconds": round(self.seconds, 1), "method": self.method,
+                **self.extra}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sensitivity:
+        known = ("model", "scheme", "options", "overrides", "context", "decode", "calibration", "layers", "probes",
+                 "bytes", "fixed_bytes", "fp16_bytes", "seconds", "method")
+        return cls(**{k: data[k] for k in known if k in data},
+                   extra={k: v for k, v in data.items() if k not in known})
+
+
+def choose(sens: Sensitivity, budget: float) -> Plan:
+    """The plan with the least predicted KL whose bytes are at most `budget` (a share of fp16's at the context)."""
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget is a share of fp16's bytes in (0, 1], got {budget}")
+    frontier = sens.frontier()
+    fits = [p for p in frontier if p[0] <= budget * sens.fp16_bytes]
+    if not fits:
+        raise ValueError(f"no {sens.scheme} plan fits {100 * budget:.1f}% of fp16's bytes at {sens.context} tokens "
+                         f"on {sens.model}; the smallest is {100 * sens.smallest_share():.1f}%")
+    stored, predicted, picked = fits[-1]
+    report = {"search": "exact Pareto frontier", "predicted_kl": predicted, "bytes": stored,
+              "fp16_bytes": sens.fp16_bytes, "share": stored / sens.fp16_bytes, "method": sens.method,
+              "calibration": sens.calibration}
+    return Plan(sens.model, sens.scheme, dict(sens.options), {layer: c.widths for layer, c in zip(sens.layers, picked)},
+                sens.context, budget, dict(sens.overrides), report)
+
+
+def probe_policy(base: Policy, layer: int, widths: dict[str, int]) -> Policy:
+    """`base` with only `layer` quantized, at `widths`; every other layer fp16."""
+    layers = [LayerDecision(**{**vars(d), "options": dict(widths), "reason": "sensitivity probe"}) if d.index == layer
+              else LayerDecision(**{**vars(d), "decision": BASELINE, "reason": "sensitivity probe", "options": {}})
+              for d in base.layers]
+    return Policy(base.model, base.name, base.scheme, base.options, layers, environment=base.environment)
+
+
+def sensitivity(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", context: int = 4096, *,
+                decode: int = PROBE_DECODE, name: str | None = None, quantize_last: bool = False,
+                quantize_sliding: bool = False, progress: bool = False, **options: Any) -> Sensitivity:
+    """Probe every layer the policy quantizes at every width (see the module docstring); minutes on a CPU."""
+    spec = get_scheme(scheme)
+    names = width_names(spec)
+    given = sorted(set(options) & {"bits", "k_bits", "v_bits"})
+    if given:
+        raise ValueError(f"{', '.join(given)}: a plan chooses the widths; give the scheme's other options only")
+    overrides = {"quantize_last": quantize_last, "quantize_sliding": quantize_sliding}
+    display = name or model_name(model)
+    base = policy(model, scheme, name=display, **overrides, **options)
+    planned = [d.index for d in base.quantized]
+    if not planned:
+        raise ValueError(f"{base}: no layer to plan")
+    calibration, _ = split_windows(display, tokenizer, context + decode + 1)
+    tokens = mx.array([w.tokens for w in calibration], dtype=mx.int32)
+    widths = width_choices(spec)
+    probes: dict[str, dict[str, dict[str, list[float]]]] = {}
+    runs: list[tuple[str, int, int, Policy]] = []
+    for layer in planned:
+        for w in widths:
+            if names == ("bits",):
+                runs.append(("KV", layer, w, probe_policy(base, layer, {"bits": w})))
+            else:
+                runs.append(("K", layer, w, probe_policy(base, layer, {"k_bits": w, "v_bits": widths[-1]})))
+                if w != widths[-1]:  # V at the widest is the K probe at the widest
+                    runs.append(("V", layer, w, probe_policy(base, layer, {"k_bits": widths[-1], "v_bits": w})))
+    start = time.perf_counter()
+
+    def keep(i: int, metrics: dict[str, list[float]]) -> None:
+        part, layer, w, _ = runs[i]
+        probes.setdefault(part, {}).setdefault(str(layer), {})[str(w)] = metrics["mean_kl"]
+        if part == "K" and w == widths[-1] and names != ("bits",):
+            probes.setdefault("V", {}).setdefault(str(layer), {})[str(w)] = metrics["mean_kl"]
+        if progress:
+            print(f"probe {i + 1}/{len(runs)}: layer {layer} {part} {w}-bit, KL {sum(metrics['mean_kl']) / len(metrics['mean_kl']):.3g}",
+                  flush=True)
+
+    policy_metrics(model, tokens, context, decode, [r[3] for r in runs], block=True, on_policy=keep)
+    shapes = layer_shapes(base)
+    byte_table: dict[str, dict[str, float]] = {}
+    for layer in planned:
+        row = {"fp16": layer_bytes(shapes[layer], BASELINE, context, {})}
+        pairs = [{"bits": b} for b in widths] if names == ("bits",) else \
+            [{"k_bits": k, "v_bits": v} for k in widths for v in widths]
+        for w in pairs:
+            row[widths_label(w)] = layer_bytes(shapes[layer], scheme, context, {**base.options, **w})
+        byte_table[str(layer)] = row
+    fixed = sum(layer_bytes(s, d.decision, context, base.options) for s, d in zip(shapes, base.layers)
+                if d.index not in planned)
+    fp16 = sum(layer_bytes(s, BASELINE, context, {}) for s in shapes)
+    kept = {k: v for k, v in base.options.items() if k not in ("bits", "k_bits", "v_bits")}
+    return Sensitivity(display, scheme, kept, overrides, context, decode, [w.name for w in calibration], planned,
+                       probes, byte_table, fixed, fp16, time.perf_counter() - start, METHOD.format(decode=decode))
+
+
+def plan(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", budget: float = 0.5, context: int = 4096,
+         **kwargs: Any) -> Plan:
+    """Per-layer widths of `scheme` with the least predicted KL in `budget` of fp16's bytes at `context`, from this
+    model's measured sensitivity (`sensitivity` takes the other arguments: the tail, quantize_last, ...)."""
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget is a share of fp16's bytes in (0, 1], got {budget}")
+    sens = sensitivity(model, tokenizer, scheme, context, **kwargs)
+    chosen = choose(sens, budget)
+    chosen.report["sensitivity_seconds"] = round(sens.seconds, 1)
+    return chosen
+
+
+# -- the evaluation: plans against uniform widths at equal memory, on the windows the probes did not read ----------
+
+EVAL_DECODE = 128
+EVAL_WIDEST = 4  # uniform widths up to this many bits are evaluated: where memory is tight and KL largest
+
+
+def uniform_policy(sens: Sensitivity, model: nn.Module, width: int) -> Policy:
+    """The scheme at one width on every layer the plan decides (the same options and overrides)."""
+    widths = {name: width for name in sens.names}
+    return policy(model, sens.scheme, name=sens.model, **sens.overrides, **sens.options, **widths)
+
+
+def evaluate(model: nn.Module, tokenizer: Any, sens: Sensitivity, *, decode: int = EVAL_DECODE,
+             widest: int = EVAL_WIDEST, progress: bool = False) -> tuple[list[Row], dict[str, Plan]]:
+    """Each uniform width up to `widest` bits and, at its bytes, the plan (`choose`), measured on the evaluation windows by the
+    verdict's method (`banded.policy_metrics`: tokens decoded one at a time). Returns the rows (fp16 first, then
+    per width the uniform row and the plan's, where it differs) and the plans by their uniform width's label."""
+    _, held = split_windows(sens.model, tokenizer, sens.context + decode + 1)
+    tokens = mx.array([w.tokens for w in held], dtype=mx.int32)
+    shapes = None
+    entries: list[tuple[str, Policy]] = [("fp16", policy(model, BASELINE, name=sens.model))]
+    plans: dict[str, Plan] = {}
+    for width in (w for w in sens.widths if w <= widest):
+        uniform = uniform_policy(sens, model, width)
+        shapes = shapes or layer_shapes(uniform)
+        share = policy_bytes(uniform, sens.context, shapes) / sens.fp16_bytes
+        if share < sens.smallest_share():
+            continue  # rules kept some layers fp16 that the plan decides: no plan fits here
+        chosen = choose(sens, share)
+        plans[uniform.label] = chosen
+        entries.append((uniform.label, uniform))
+        if any(w != {name: width for name in sens.names} for w in chosen.widths.values()):
+            entries.append((chosen.label, policy(model, plan=chosen, name=sens.model)))  # else it is the uniform
+    start = time.perf_counter()
+    rows: list[Row] = []
+
+    def keep(i: int, metrics: dict[str, list[float]]) -> None:
+        spec, chosen_policy = entries[i]
+        quantized = chosen_policy.as_dict()["quantized_layers"]
+        rows.append(Row(spec, chosen_policy.label, chosen_policy.scheme, sens.context,
+                        f"{quantized}/{len(chosen_policy.layers)}", policy_bytes(chosen_policy, sens.context, shapes),
+                        sens.fp16_bytes, metrics, time.perf_counter() - start))
+        if progress:
+            print(f"{chosen_policy.label}: mean KL {rows[-1].interval('mean_kl').text()}", flush=True)
+
+    policy_metrics(model, tokens, sens.context, decode, [p for _, p in entries], on_policy=keep)
+    return rows, plans
+
+
+def plan_markdown(sens: Sensitivity, chosen: Plan) -> str:
+    """The plan layer by layer (widths, bytes, predicted KL) and its total against fp16, as a markdown table."""
+    lines = ["| layer | widths | KiB | predicted KL |", "|---|---|---|---|"]
+    for layer in sens.layers:
+        widths = chosen.widths[layer]
+        lines.append(f"| {layer} | {widths_label(widths)} | {sens.bytes[str(layer)][widths_label(widths)] / 1024:.0f} "
+                     f"| {sens.predicted(layer, widths):.2e} |")
+    report = chosen.report
+    lines.append(f"\n{chosen.label} on {sens.model} at {sens.context} tokens: {report['bytes'] / 1024:.0f} KiB, "
+                 f"{100 * report['share']:.1f}% of fp16's {sens.fp16_bytes / 1024:.0f} KiB (the budget "
+                 f"{100 * chosen.budget:.0f}%); predicted KL {report['predicted_kl']:.2e} nats (the sum of the "
+                 f"layers' probes on {len(sens.calibration)} calibration windows; measure it with "
+                 "benchmarks/plan.py)")
+    return "\n".join(lines)
