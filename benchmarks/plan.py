@@ -7,7 +7,8 @@ For each scheme: the sensitivity probes on the calibration windows (every fourth
 windows), then on the six others, by the verdict's method (tokens decoded one at a time): fp16, each uniform width,
 and at each uniform width's bytes the plan with the least predicted KL. Every layer the scheme can take is in play
 (`quantize_last`: the policy's last-of-stack rule is the plan's to make). Writes
-benchmarks/results/plan-<model>-<machine>.json, one entry a scheme spec (its options but the widths: "kvarn:tail=128"; a run replaces its specs' entries only).
+benchmarks/results/plan-<model>-<machine>.json, one entry a scheme spec (its options but the widths:
+"kvarn:tail=128"; a run replaces its specs' entries only).
 """
 
 from __future__ import annotations

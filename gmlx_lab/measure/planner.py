@@ -209,8 +209,8 @@ def sensitivity(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", context
         if part == "K" and w == widths[-1] and names != ("bits",):
             probes.setdefault("V", {}).setdefault(str(layer), {})[str(w)] = metrics["mean_kl"]
         if progress:
-            print(f"probe {i + 1}/{len(runs)}: layer {layer} {part} {w}-bit, KL {sum(metrics['mean_kl']) / len(metrics['mean_kl']):.3g}",
-                  flush=True)
+            mean = sum(metrics["mean_kl"]) / len(metrics["mean_kl"])
+            print(f"probe {i + 1}/{len(runs)}: layer {layer} {part} {w}-bit, KL {mean:.3g}", flush=True)
 
     policy_metrics(model, tokens, context, decode, [r[3] for r in runs], block=True, on_policy=keep)
     shapes = layer_shapes(base)
@@ -256,9 +256,10 @@ def uniform_policy(sens: Sensitivity, model: nn.Module, width: int) -> Policy:
 
 def evaluate(model: nn.Module, tokenizer: Any, sens: Sensitivity, *, decode: int = EVAL_DECODE,
              widest: int = EVAL_WIDEST, progress: bool = False) -> tuple[list[Row], dict[str, Plan]]:
-    """Each uniform width up to `widest` bits and, at its bytes, the plan (`choose`), measured on the evaluation windows by the
-    verdict's method (`banded.policy_metrics`: tokens decoded one at a time). Returns the rows (fp16 first, then
-    per width the uniform row and the plan's, where it differs) and the plans by their uniform width's label."""
+    """Each uniform width up to `widest` bits and, at its bytes, the plan (`choose`), measured on the evaluation
+    windows by the verdict's method (`banded.policy_metrics`: tokens decoded one at a time). Returns the rows (fp16
+    first, then per width the uniform row and the plan's, where it differs) and the plans by their uniform width's
+    label."""
     _, held = split_windows(sens.model, tokenizer, sens.context + decode + 1)
     tokens = mx.array([w.tokens for w in held], dtype=mx.int32)
     shapes = None
