@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     name = getattr(model, "gmlx_name", None) or args.model
     out = RESULTS / f"plan-{name}-{machine_tag()}.json"
     data = json.loads(out.read_text()) if out.exists() else {"model": name, "schemes": {}}
+    ran = commit()  # the tree that runs, read before the run (files may change while it runs)
     for spec in scheme_list(args.schemes):
         scheme, options = read_scheme_spec(spec)
         start = time.perf_counter()
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{spec}: sensitivity in {sens.seconds:.0f} s", flush=True)
         rows, plans = evaluate(model, tokenizer, sens, decode=args.decode, progress=True)
         data["schemes"][spec] = {
-            "command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]), "commit": commit(),
+            "command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]), "commit": ran,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "seconds": round(time.perf_counter() - start, 1),
             "evaluation": {"decode": args.decode, "windows": len(rows[0].per_passage["mean_kl"]),

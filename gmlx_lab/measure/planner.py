@@ -23,8 +23,10 @@ passage windows (`passages.windows`), the evaluation (`benchmarks/plan.py`) the 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -34,8 +36,10 @@ from ..plans import Plan, width_choices, width_names, widths_label
 from ..policy import LayerDecision, Policy, model_name, policy
 from ..registry import BASELINE, get_scheme
 from .banded import Row, policy_metrics
+from .intervals import Comparison, compare
 from .passages import Window, windows
 from .sizes import layer_bytes, layer_shapes, policy_bytes
+from .verdict import RESULTS_DIR
 
 WINDOWS = 8  # the model's passage windows; every CALIBRATION_STEP-th calibrates, the others evaluate
 CALIBRATION_STEP = 4
@@ -306,3 +310,53 @@ def plan_markdown(sens: Sensitivity, chosen: Plan) -> str:
                  f"layers' probes on {len(sens.calibration)} calibration windows; measure it with "
                  "benchmarks/plan.py)")
     return "\n".join(lines)
+
+
+# -- the committed results (benchmarks/plan.py) ------------------------------------------------------------------
+
+
+@dataclass
+class PlanResults:
+    """One scheme spec's committed plan run on one model: the probes, the evaluation rows and the plans."""
+
+    spec: str
+    sensitivity: Sensitivity
+    rows: list[Row]
+    plans: dict[str, Plan]  # by the uniform width's label whose bytes they fit
+    run: dict[str, Any]
+
+    def row(self, label: str) -> Row:
+        return next(r for r in self.rows if r.label == label)
+
+    def pairs(self) -> list[tuple[Row, Row]]:
+        """(uniform row, the plan's row at its bytes) for every uniform width the plan differs from."""
+        return [(self.row(u), self.row(p.label)) for u, p in self.plans.items()
+                if any(r.label == p.label for r in self.rows)]
+
+    def comparisons(self) -> list[Comparison]:
+        """The plan against the uniform width at each budget, through `intervals.compare` (mean KL)."""
+        return [compare(p.label, p.interval("mean_kl"), u.label, u.interval("mean_kl"), "mean KL")
+                for u, p in self.pairs()]
+
+    def same_as_uniform(self) -> list[str]:
+        """The uniform widths whose bytes leave the plan no other choice than that width everywhere."""
+        return [u for u, p in self.plans.items() if not any(r.label == p.label for r in self.rows)]
+
+
+def plan_results_path(model: str, machine: str = "cpu") -> Path:
+    return RESULTS_DIR / f"plan-{model}-{machine}.json"
+
+
+def load_plan_results(model: str = "gemma3-270m", machine: str = "cpu") -> dict[str, PlanResults]:
+    """The committed runs of `benchmarks/plan.py` for one model, by scheme spec ("kvarn:tail=128", "affine")."""
+    path = plan_results_path(model, machine)
+    if not path.is_file():
+        found = sorted(p.name for p in RESULTS_DIR.glob("plan-*.json"))
+        raise FileNotFoundError(f"no results file {path.name}; run benchmarks/plan.py --model {model}. "
+                                f"Committed: {', '.join(found) or 'none'}")
+    data = json.loads(path.read_text())
+    return {spec: PlanResults(spec, Sensitivity.from_dict(entry["sensitivity"]),
+                              [Row.from_dict(r) for r in entry["rows"]],
+                              {label: Plan.from_dict(p) for label, p in entry["plans"].items()},
+                              {k: v for k, v in entry.items() if k not in ("sensitivity", "rows", "plans")})
+            for spec, entry in data["schemes"].items()}
