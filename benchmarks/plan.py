@@ -24,7 +24,7 @@ from verdict import commit, machine
 
 from gmlx_lab.cli import load_model, scheme_list
 from gmlx_lab.doctor import machine_tag
-from gmlx_lab.measure.planner import EVAL_DECODE, PROBE_DECODE, evaluate, sensitivity
+from gmlx_lab.measure.planner import EVAL_DECODE, PROBE_DECODE, evaluate, sensitivity, split_windows
 from gmlx_lab.specs import read_scheme_spec
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "seconds": round(time.perf_counter() - start, 1),
             "evaluation": {"decode": args.decode, "windows": len(rows[0].per_passage["mean_kl"]),
+                           "names": [w.name for w in split_windows(name, tokenizer, args.context + args.decode + 1)[1]],
                            "method": "banded_fidelity's method at one context on the windows the probes did not "
                                      "read: tokens decoded one at a time, teacher-forced; per window mean KL; 95% "
                                      "percentile-bootstrap intervals over windows"},

@@ -18,7 +18,9 @@ from .cache.saved import SavedCacheError, load_prompt_cache
 from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.tradeoff.versus, ...)
 from .measure.audit import audit
 from .measure.fidelity import fidelity
+from .measure.planner import plan
 from .models import available_models, load
+from .plans import Plan, load_plan
 from .policy import Policy, PromptCache, make_cache, policy
 from .registry import SCHEMES, Option, Scheme, get_scheme, register_scheme
 from .specs import parse_scheme_spec
@@ -27,6 +29,7 @@ mlx_lm_hooks.install()  # mlx-lm's attention routes to a cache's own `attend` (t
 
 __all__ = [
     "SCHEMES", "AffineCache", "AffineRotCache", "BlockCache", "BlockScheme", "FP16Cache", "KVarNCache", "Option",
-    "Policy", "PromptCache", "Scheme", "audit", "available_models", "fidelity", "get_scheme", "load", "make_cache",
+    "Plan", "Policy", "PromptCache", "Scheme", "audit", "available_models", "fidelity", "get_scheme", "load",
+    "load_plan", "make_cache", "plan",
     "SavedCacheError", "load_prompt_cache", "parse_scheme_spec", "policy", "register_scheme",
 ]

@@ -27,6 +27,7 @@ import gmlx_lab
 from gmlx_lab import viz
 from gmlx_lab.measure import tradeoff
 from gmlx_lab.measure.capacity import batch_rows
+from gmlx_lab.measure.planner import load_plan_results
 from gmlx_lab.measure.verdict import load_verdict
 from gmlx_lab.models import specimen
 
@@ -165,7 +166,15 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "size_figure": lambda: [viz.size_figure(_size_curves(), SIZE_CONTEXTS,
                                             {"kvarn4 tail=128 < affine8": 1025, "kvarn4 tail=128 < affine4": 35713})],
     "published_vs_ours_figure": lambda: [viz.published_vs_ours_figure(viz.GMLX_KL_TABLE["rows"], _tradeoff_points())],
+    "sensitivity_figure": lambda: [viz.sensitivity_figure(r.sensitivity) for r in _plans("teaching-llama").values()],
+    "plan_figure": lambda: [viz.plan_figure(r.sensitivity, 0.5) for r in _plans("teaching-llama").values()],
+    "plan_slider": lambda: [viz.plan_slider(r.sensitivity) for r in _plans("gemma3-270m").values()],
+    "plan_versus_uniform": lambda: [viz.plan_versus_uniform(_plans(m)) for m in ("gemma3-270m", "teaching-llama")],
 }
+
+
+def _plans(model: str) -> dict:
+    return load_plan_results(model)
 
 
 def figure_builders() -> dict[str, Callable]:

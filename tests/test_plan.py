@@ -2,13 +2,22 @@
 
 import itertools
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import save_prompt_cache
 
 from gmlx_lab import audit, cli, load, load_prompt_cache, make_cache, policy
-from gmlx_lab.measure.planner import Sensitivity, choose, plan_markdown, sensitivity, split_windows
+from gmlx_lab.measure.planner import (
+    Sensitivity,
+    choose,
+    load_plan_results,
+    markdown_table,
+    plan_markdown,
+    sensitivity,
+    split_windows,
+)
 from gmlx_lab.measure.sizes import policy_bytes
 from gmlx_lab.plans import Plan, load_plan, width_names, widths_label
 from gmlx_lab.registry import get_scheme
@@ -128,7 +137,7 @@ def test_the_search_is_exact(names):
 
 def test_sensitivity_on_the_bundled_model(teaching):
     model, tokenizer = teaching
-    sens = sensitivity(model, tokenizer, "kvarn", 256, decode=16, kv_tail_tokens=128)
+    sens = sensitivity(model, tokenizer, "kvarn", 1024, decode=16, kv_tail_tokens=128)
     assert sens.layers == list(range(7)) and set(sens.probes) == {"K", "V"}
     assert all(len(sens.probes["K"][str(layer)]) == 6 and len(sens.probes["V"][str(layer)]) == 6
                for layer in sens.layers)
@@ -138,7 +147,7 @@ def test_sensitivity_on_the_bundled_model(teaching):
     assert sens.calibration == ["macbeth", "julius_caesar"]
     tight = choose(sens, sens.smallest_share() + 0.05)
     assert tight.report["share"] <= tight.budget and tight.report["predicted_kl"] > 0
-    assert policy_bytes(policy(model, plan=tight), 256) == pytest.approx(tight.report["bytes"])
+    assert policy_bytes(policy(model, plan=tight), 1024) == pytest.approx(tight.report["bytes"])
     text = plan_markdown(sens, tight)
     assert "| layer | widths | KiB | predicted KL |" in text and "calibration windows" in text
     again = Sensitivity.from_dict(json.loads(json.dumps(sens.to_dict())))
@@ -156,12 +165,50 @@ def test_calibration_and_evaluation_read_different_windows(teaching):
 
 def test_cli_plan_then_policy_with_it(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert cli.main(["plan", "--model", "teaching-llama", "--context", "256", "--budget", "60%", "--out", str(out),
+    assert cli.main(["plan", "--model", "teaching-llama", "--context", "1024", "--budget", "60%", "--out", str(out),
                      "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "kvarn plan 60% tail=128" in printed and f"wrote {out}" in printed
     assert load_plan(out).budget == 0.6
     assert cli.main(["policy", "--plan", str(out)]) == 0
     assert "widths by the plan" in capsys.readouterr().out
-    assert cli.main(["plan", "--model", "teaching-llama", "--budget", "1.5"]) == 2
-    assert "outside (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "--model", "teaching-llama", "--budget", "1.5"])
+    assert exc.value.code == 2 and "outside (0, 1]" in capsys.readouterr().err
+
+
+# -- the committed results (benchmarks/plan.py) ------------------------------------------------------------------
+
+COMMITTED = ("gemma3-270m", "teaching-llama")
+
+
+@pytest.mark.parametrize("model", COMMITTED)
+def test_committed_plans_fit_their_uniform_widths_bytes(model):
+    results = load_plan_results(model)
+    assert {"kvarn:tail=128", "affine"} <= set(results)
+    for spec, res in results.items():
+        sens = res.sensitivity
+        assert res.run["machine"]["tag"] == "cpu" and res.run["evaluation"]["windows"] == 6
+        held = res.run["evaluation"]["names"]
+        assert len(held) == 6 and not set(sens.calibration) & set(held)
+        for label, chosen in res.plans.items():
+            uniform = res.row(label)
+            assert chosen.report["bytes"] <= uniform.bytes + 1e-6, (spec, label)
+            assert chosen.report["predicted_kl"] == pytest.approx(choose(sens, chosen.budget).report["predicted_kl"])
+        for uniform, planned in res.pairs():
+            assert planned.share <= uniform.share + 1e-9 and len(planned.per_passage["mean_kl"]) == 6
+
+
+def test_no_sentence_names_a_winner_where_intervals_overlap():
+    for model in COMMITTED:
+        for res in load_plan_results(model).values():
+            for said in res.comparisons():
+                assert (said.winner is None) == said.a_value.overlaps(said.b_value)
+                assert ("lower mean KL than" in said.sentence()) == (said.winner is not None)
+
+
+def test_readme_shows_the_committed_plan_tables():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for model in COMMITTED:
+        assert markdown_table(load_plan_results(model)) in readme, (
+            f"README: paste gmlx_lab.measure.planner.markdown_table(load_plan_results({model!r}))")

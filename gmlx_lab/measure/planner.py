@@ -360,3 +360,21 @@ def load_plan_results(model: str = "gemma3-270m", machine: str = "cpu") -> dict[
                               {label: Plan.from_dict(p) for label, p in entry["plans"].items()},
                               {k: v for k, v in entry.items() if k not in ("sensitivity", "rows", "plans")})
             for spec, entry in data["schemes"].items()}
+
+
+def markdown_table(results: dict[str, PlanResults]) -> str:
+    """Each plan against the uniform width whose bytes it fits: both mean KLs with their intervals, the plan's
+    widths and whether the intervals are apart (the README's and docs/results.md's table, checked by the tests)."""
+    lines = ["| scheme | bytes (% of fp16's) | uniform width: mean KL | plan: mean KL | plan's widths by layer | "
+             "95% intervals |", "|---|---|---|---|---|---|"]
+    for spec, res in results.items():
+        for uniform, planned in res.pairs():
+            said = compare(planned.label, planned.interval("mean_kl"), uniform.label, uniform.interval("mean_kl"))
+            widths = ", ".join(f"{layer}: {widths_label(w)}" for layer, w in
+                               sorted(res.plans[uniform.label].widths.items()))
+            verdict = ("apart: the plan is lower" if said.winner == planned.label else
+                       "apart: the uniform width is lower" if said.winner else "overlap")
+            lines.append(f"| {spec} | {100 * uniform.share:.1f} / {100 * planned.share:.1f} | {uniform.label}: "
+                         f"{uniform.interval('mean_kl').text()} | {planned.interval('mean_kl').text()} | {widths} | "
+                         f"{verdict} |")
+    return "\n".join(lines)
