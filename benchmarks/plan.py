@@ -5,7 +5,8 @@
 
 For each scheme: the sensitivity probes on the calibration windows (every fourth of the model's eight passage
 windows), then on the six others, by the verdict's method (tokens decoded one at a time): fp16, each uniform width,
-and at each uniform width's bytes the plan with the least predicted KL. Every layer the scheme can take is in play
+and at each uniform width's bytes the plan with the least predicted KL (for kvarn also the plan with one width for
+K and V a layer: what the split itself buys). Every layer the scheme can take is in play
 (`quantize_last`: the policy's last-of-stack rule is the plan's to make). Writes
 benchmarks/results/plan-<model>-<machine>.json, one entry a scheme spec (its options but the widths:
 "kvarn:tail=128"; a run replaces its specs' entries only).
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "percentile-bootstrap intervals over windows"},
             "sensitivity": sens.to_dict(),
             "rows": [r.to_dict() for r in rows],
-            "plans": {label: p.to_dict() for label, p in plans.items()},
+            "plans": [p.to_dict() for p in plans],
         }
         out.write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {out}", flush=True)

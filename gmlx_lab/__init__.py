@@ -5,8 +5,8 @@ Tiers, lowest first (a module imports only from its own tier or below; tests/tes
   kernels                    the fused GPU kernels: arrays in, arrays out
   registry, cache            the Scheme interface; the caches (mlx-lm's cache contract), one folder a built-in scheme
                              (cache/<name>/: its cache and its registry entry; importing gmlx_lab.cache registers them)
-  policy, specs              which layers a scheme takes; the spec grammar ("kvarn6:tail=128")
-  measure                    fidelity, audit, memory, sizes, tradeoff, experiments
+  policy, specs, plans       which layers a scheme takes; the spec grammar ("kvarn6:tail=128"); per-layer widths
+  measure                    fidelity, audit, memory, sizes, tradeoff, experiments, the verdict, the planner
   viz, widgets, live, cli    figures, notebook widgets, the command line
 """
 

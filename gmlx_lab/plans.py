@@ -62,9 +62,11 @@ class Plan:
 
     @property
     def label(self) -> str:
-        """e.g. 'kvarn plan 50% tail=1024': the scheme, the budget as a share of fp16's bytes, the fp16 tail."""
+        """e.g. 'kvarn plan 50% tail=1024': the scheme, the budget as a share of fp16's bytes, the fp16 tail; ' K=V'
+        where the plan kept one width for K and V a layer though the scheme stores them apart."""
         tail = self.options.get("kv_tail_tokens")
-        return f"{self.scheme} plan {100 * self.budget:.0f}%" + ("" if tail is None else f" tail={tail}")
+        return (f"{self.scheme} plan {100 * self.budget:.0f}%" + ("" if tail is None else f" tail={tail}")
+                + (" K=V" if self.report.get("tied") else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "model": self.model, "scheme": self.scheme, "options": self.options,

@@ -131,6 +131,12 @@ def test_the_search_is_exact(names):
         assert chosen.report["predicted_kl"] == pytest.approx(best, rel=1e-12, abs=1e-15)
         assert chosen.report["bytes"] <= budget * sens.fp16_bytes
     assert choose(sens, 1.0).widths == {0: None, 1: None, 2: None}  # fp16 everywhere fits and has no KL
+    if names != ("bits",):  # one width for K and V a layer: never better than the split, each layer tied
+        for budget in (0.3, 0.4, 0.55):
+            tied = choose(sens, budget, tied=True)
+            assert all(w is None or w["k_bits"] == w["v_bits"] for w in tied.widths.values())
+            assert tied.report["predicted_kl"] >= choose(sens, budget).report["predicted_kl"]
+            assert tied.label.endswith(" K=V")
     with pytest.raises(ValueError, match="in \\(0, 1\\]"):
         choose(sens, 1.5)
 
@@ -191,12 +197,15 @@ def test_committed_plans_fit_their_uniform_widths_bytes(model):
         assert res.run["machine"]["tag"] == "cpu" and res.run["evaluation"]["windows"] == 6
         held = res.run["evaluation"]["names"]
         assert len(held) == 6 and not set(sens.calibration) & set(held)
-        for label, chosen in res.plans.items():
-            uniform = res.row(label)
-            assert chosen.report["bytes"] <= uniform.bytes + 1e-6, (spec, label)
-            assert chosen.report["predicted_kl"] == pytest.approx(choose(sens, chosen.budget).report["predicted_kl"])
-        for uniform, planned in res.pairs():
+        for chosen in res.plans:
+            uniform = res.row(chosen.report["against"])
+            assert chosen.report["bytes"] <= uniform.bytes + 1e-6, (spec, chosen.label)
+            again = choose(sens, chosen.budget, chosen.report["tied"])
+            assert again.widths == chosen.widths and again.label == chosen.label
+        assert any(chosen.report["tied"] for chosen in res.plans) == (sens.names == ("k_bits", "v_bits"))
+        for uniform, planned, chosen in res.pairs() + res.pairs(tied=True):
             assert planned.share <= uniform.share + 1e-9 and len(planned.per_passage["mean_kl"]) == 6
+            assert planned.bytes == pytest.approx(chosen.report["bytes"])  # the formula the plan was chosen by
 
 
 def test_no_sentence_names_a_winner_where_intervals_overlap():

@@ -113,20 +113,20 @@ class Sensitivity:
         return base + sum(max(0.0, self.kl(part, layer, widths[name]) - base)
                           for part, name in (("K", "k_bits"), ("V", "v_bits")))
 
-    def choices(self, layer: int) -> list[Choice]:
-        """Every way to store the layer, fp16 first."""
+    def choices(self, layer: int, tied: bool = False) -> list[Choice]:
+        """Every way to store the layer, fp16 first (`tied`: K and V at one width, where the scheme splits them)."""
         out = [Choice(None, self.bytes[str(layer)]["fp16"], 0.0)]
         pairs = ([{"bits": b} for b in self.widths] if self.names == ("bits",) else
-                 [{"k_bits": k, "v_bits": v} for k in self.widths for v in self.widths])
+                 [{"k_bits": k, "v_bits": v} for k in self.widths for v in self.widths if k == v or not tied])
         return out + [Choice(w, self.bytes[str(layer)][widths_label(w)], self.predicted(layer, w)) for w in pairs]
 
-    def frontier(self) -> list[tuple[float, float, tuple[Choice, ...]]]:
+    def frontier(self, tied: bool = False) -> list[tuple[float, float, tuple[Choice, ...]]]:
         """The plans no other plan beats on both bytes and predicted KL, as (bytes, predicted KL, choices), fewest
-        bytes first (exact under the additive model)."""
+        bytes first (exact under the additive model; `tied`: one width for K and V a layer)."""
         points: list[tuple[float, float, tuple[Choice, ...]]] = [(self.fixed_bytes, 0.0, ())]
         for layer in self.layers:
             merged = sorted(((b + c.bytes, k + c.kl, picked + (c,)) for b, k, picked in points
-                             for c in self.choices(layer)), key=lambda p: (p[0], p[1]))
+                             for c in self.choices(layer, tied)), key=lambda p: (p[0], p[1]))
             points, best = [], float("inf")
             for point in merged:
                 if point[1] < best:
@@ -152,11 +152,13 @@ class Sensitivity:
                    extra={k: v for k, v in data.items() if k not in known})
 
 
-def choose(sens: Sensitivity, budget: float) -> Plan:
-    """The plan with the least predicted KL whose bytes are at most `budget` (a share of fp16's at the context)."""
+def choose(sens: Sensitivity, budget: float, tied: bool = False) -> Plan:
+    """The plan with the least predicted KL whose bytes are at most `budget` (a share of fp16's at the context);
+    `tied`: K and V at one width a layer, for a scheme that stores them apart (what the split itself buys)."""
     if not 0 < budget <= 1:
         raise ValueError(f"budget is a share of fp16's bytes in (0, 1], got {budget}")
-    frontier = sens.frontier()
+    tied = tied and sens.names != ("bits",)
+    frontier = sens.frontier(tied)
     fits = [p for p in frontier if p[0] <= budget * sens.fp16_bytes]
     if not fits:
         raise ValueError(f"no {sens.scheme} plan fits {100 * budget:.1f}% of fp16's bytes at {sens.context} tokens "
@@ -164,7 +166,7 @@ def choose(sens: Sensitivity, budget: float) -> Plan:
     stored, predicted, picked = fits[-1]
     report = {"search": "exact Pareto frontier", "predicted_kl": predicted, "bytes": stored,
               "fp16_bytes": sens.fp16_bytes, "share": stored / sens.fp16_bytes, "method": sens.method,
-              "calibration": sens.calibration}
+              "calibration": sens.calibration, "tied": tied}
     return Plan(sens.model, sens.scheme, dict(sens.options), {layer: c.widths for layer, c in zip(sens.layers, picked)},
                 sens.context, budget, dict(sens.overrides), report)
 
@@ -259,27 +261,30 @@ def uniform_policy(sens: Sensitivity, model: nn.Module, width: int) -> Policy:
 
 
 def evaluate(model: nn.Module, tokenizer: Any, sens: Sensitivity, *, decode: int = EVAL_DECODE,
-             widest: int = EVAL_WIDEST, progress: bool = False) -> tuple[list[Row], dict[str, Plan]]:
-    """Each uniform width up to `widest` bits and, at its bytes, the plan (`choose`), measured on the evaluation
-    windows by the verdict's method (`banded.policy_metrics`: tokens decoded one at a time). Returns the rows (fp16
-    first, then per width the uniform row and the plan's, where it differs) and the plans by their uniform width's
-    label."""
+             widest: int = EVAL_WIDEST, progress: bool = False) -> tuple[list[Row], list[Plan]]:
+    """Each uniform width up to `widest` bits and, at its bytes, the plan (`choose`; for a scheme that stores K and
+    V apart also the plan with one width a layer), measured on the evaluation windows by the verdict's method
+    (`banded.policy_metrics`: tokens decoded one at a time). Returns the rows (fp16 first, then per width the
+    uniform row and each plan's where it differs from the uniform) and the plans, each naming in
+    `report["against"]` the uniform width whose bytes it fits."""
     _, held = split_windows(sens.model, tokenizer, sens.context + decode + 1)
     tokens = mx.array([w.tokens for w in held], dtype=mx.int32)
     shapes = None
     entries: list[tuple[str, Policy]] = [("fp16", policy(model, BASELINE, name=sens.model))]
-    plans: dict[str, Plan] = {}
+    plans: list[Plan] = []
     for width in (w for w in sens.widths if w <= widest):
         uniform = uniform_policy(sens, model, width)
         shapes = shapes or layer_shapes(uniform)
         share = policy_bytes(uniform, sens.context, shapes) / sens.fp16_bytes
         if share < sens.smallest_share():
             continue  # rules kept some layers fp16 that the plan decides: no plan fits here
-        chosen = choose(sens, share)
-        plans[uniform.label] = chosen
         entries.append((uniform.label, uniform))
-        if any(w != {name: width for name in sens.names} for w in chosen.widths.values()):
-            entries.append((chosen.label, policy(model, plan=chosen, name=sens.model)))  # else it is the uniform
+        for tied in (False, True) if sens.names != ("bits",) else (False,):
+            chosen = choose(sens, share, tied)
+            chosen.report["against"] = uniform.label
+            plans.append(chosen)
+            if any(w != {name: width for name in sens.names} for w in chosen.widths.values()):
+                entries.append((chosen.label, policy(model, plan=chosen, name=sens.model)))  # else: the uniform
     start = time.perf_counter()
     rows: list[Row] = []
 
@@ -322,25 +327,36 @@ class PlanResults:
     spec: str
     sensitivity: Sensitivity
     rows: list[Row]
-    plans: dict[str, Plan]  # by the uniform width's label whose bytes they fit
+    plans: list[Plan]  # each names the uniform width whose bytes it fits: report["against"]
     run: dict[str, Any]
 
     def row(self, label: str) -> Row:
         return next(r for r in self.rows if r.label == label)
 
-    def pairs(self) -> list[tuple[Row, Row]]:
-        """(uniform row, the plan's row at its bytes) for every uniform width the plan differs from."""
-        return [(self.row(u), self.row(p.label)) for u, p in self.plans.items()
-                if any(r.label == p.label for r in self.rows)]
+    def measured(self, chosen: Plan) -> bool:
+        return any(r.label == chosen.label for r in self.rows)
 
-    def comparisons(self) -> list[Comparison]:
+    def pairs(self, tied: bool = False) -> list[tuple[Row, Row, Plan]]:
+        """(uniform row, the plan's row at its bytes, the plan) wherever the plan differs from the uniform width
+        (`tied`: the plans with one width for K and V a layer)."""
+        return [(self.row(p.report["against"]), self.row(p.label), p) for p in self.plans
+                if bool(p.report.get("tied")) == tied and self.measured(p)]
+
+    def comparisons(self, tied: bool = False) -> list[Comparison]:
         """The plan against the uniform width at each budget, through `intervals.compare` (mean KL)."""
         return [compare(p.label, p.interval("mean_kl"), u.label, u.interval("mean_kl"), "mean KL")
-                for u, p in self.pairs()]
+                for u, p, _ in self.pairs(tied)]
+
+    def split_against_tied(self) -> list[Comparison]:
+        """At each budget, the plan that sets K and V apart against the plan with one width a layer (both measured)."""
+        tied = {p.report["against"]: row for _, row, p in self.pairs(tied=True)}
+        return [compare(row.label, row.interval("mean_kl"), tied[p.report["against"]].label,
+                        tied[p.report["against"]].interval("mean_kl"), "mean KL")
+                for _, row, p in self.pairs() if p.report["against"] in tied]
 
     def same_as_uniform(self) -> list[str]:
         """The uniform widths whose bytes leave the plan no other choice than that width everywhere."""
-        return [u for u, p in self.plans.items() if not any(r.label == p.label for r in self.rows)]
+        return sorted({p.report["against"] for p in self.plans if not self.measured(p)})
 
 
 def plan_results_path(model: str, machine: str = "cpu") -> Path:
@@ -357,7 +373,7 @@ def load_plan_results(model: str = "gemma3-270m", machine: str = "cpu") -> dict[
     data = json.loads(path.read_text())
     return {spec: PlanResults(spec, Sensitivity.from_dict(entry["sensitivity"]),
                               [Row.from_dict(r) for r in entry["rows"]],
-                              {label: Plan.from_dict(p) for label, p in entry["plans"].items()},
+                              [Plan.from_dict(p) for p in entry["plans"]],
                               {k: v for k, v in entry.items() if k not in ("sensitivity", "rows", "plans")})
             for spec, entry in data["schemes"].items()}
 
@@ -368,10 +384,9 @@ def markdown_table(results: dict[str, PlanResults]) -> str:
     lines = ["| scheme | bytes (% of fp16's) | uniform width: mean KL | plan: mean KL | plan's widths by layer | "
              "95% intervals |", "|---|---|---|---|---|---|"]
     for spec, res in results.items():
-        for uniform, planned in res.pairs():
+        for uniform, planned, chosen in res.pairs() + res.pairs(tied=True):
             said = compare(planned.label, planned.interval("mean_kl"), uniform.label, uniform.interval("mean_kl"))
-            widths = ", ".join(f"{layer}: {widths_label(w)}" for layer, w in
-                               sorted(res.plans[uniform.label].widths.items()))
+            widths = ", ".join(f"{layer}: {widths_label(w)}" for layer, w in sorted(chosen.widths.items()))
             verdict = ("apart: the plan is lower" if said.winner == planned.label else
                        "apart: the uniform width is lower" if said.winner else "overlap")
             lines.append(f"| {spec} | {100 * uniform.share:.1f} / {100 * planned.share:.1f} | {uniform.label}: "

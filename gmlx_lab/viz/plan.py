@@ -81,14 +81,19 @@ def plan_slider(sens: Sensitivity, step: float = 0.05) -> go.Figure:
 
 def plan_versus_uniform(results: dict[str, PlanResults]) -> go.Figure:
     """Measured mean KL with its 95% interval against bytes: each scheme's uniform widths (a line through them) and
-    its plan at each of their bytes (open markers), on the windows the probes did not read."""
+    its plans at each of their bytes (open markers; for kvarn also with one width for K and V a layer), on the
+    windows the probes did not read."""
     fig = go.Figure()
     for spec, res in results.items():
         color = scheme_color(res.sensitivity.scheme)
-        uniform = [r for r in res.rows if r.label in res.plans]
-        planned = [p for _, p in res.pairs()]
-        for rows, name, symbol, dash in ((uniform, f"{spec}: uniform width", "circle", "solid"),
-                                         (planned, f"{spec}: plan at the same bytes", "diamond-open", "dot")):
+        against = {p.report["against"] for p in res.plans}
+        uniform = [r for r in res.rows if r.label in against]
+        kinds = [(uniform, f"{spec}: uniform width", "circle", "solid"),
+                 ([p for _, p, _ in res.pairs()], f"{spec}: plan at the same bytes", "diamond-open", "dot")]
+        if res.pairs(tied=True):
+            kinds.append(([p for _, p, _ in res.pairs(tied=True)], f"{spec}: plan, one width for K and V a layer",
+                          "square-open", "dash"))
+        for rows, name, symbol, dash in kinds:
             band = [r.interval("mean_kl") for r in rows]
             text = [r.label.split(" ")[0] if "plan" not in r.label else "" for r in rows]
             fig.add_scatter(
