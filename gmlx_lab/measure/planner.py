@@ -43,7 +43,7 @@ from .verdict import RESULTS_DIR
 
 WINDOWS = 8  # the model's passage windows; every CALIBRATION_STEP-th calibrates, the others evaluate
 CALIBRATION_STEP = 4
-PROBE_DECODE = 64
+PROBE_DECODE = 32  # tokens a probe reads back a window: enough to rank layers, short enough for 2 minutes on Gemma
 METHOD = ("sensitivity: mean KL(fp16 || probe) over the calibration windows, one layer stored at one width (K and V "
           "apart where the scheme stores them apart, the other at the widest), every other layer fp16; the fp16 "
           "prefix stored (stored_prefix), then {decode} tokens fed as one block. Search: the exact Pareto frontier "
