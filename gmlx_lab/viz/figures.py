@@ -110,7 +110,7 @@ def affine_row_figure(q: AffineRow, title: str | None = None) -> go.Figure:
     x = np.arange(q.values.size)
     err = np.linalg.norm(q.values - q.recon) / max(np.linalg.norm(q.values), 1e-12)
     fig = _fig(title=title or f"affine {q.bits}-bit, group {q.group_size}: one K row (rel. error {num(err)})",
-               xaxis_title="channel", yaxis_title="value", height=380)
+               xaxis_title="channel", yaxis_title="value", height=400, margin={"l": 60, "r": 20, "t": 110, "b": 50})
     fig.add_scatter(x=x, y=q.values, mode="lines", name="original", line={"color": "#444444"},
                     hovertemplate="ch %{x}: %{y:.3g}<extra>original</extra>")
     fig.add_scatter(x=x, y=q.recon, mode="lines", name="reconstructed", line={"color": "#d62728", "shape": "hv"},
@@ -118,8 +118,10 @@ def affine_row_figure(q: AffineRow, title: str | None = None) -> go.Figure:
     for g, (s, o) in enumerate(zip(q.scales, q.offsets)):
         x0 = g * q.group_size
         fig.add_vrect(x0=x0 - 0.5, x1=x0 + q.group_size - 0.5, fillcolor="#1f77b4" if g % 2 else "#aec7e8",
-                      opacity=0.12, line_width=0,
-                      annotation_text=f"scale {num(s)}<br>offset {num(o)}", annotation_position="top left")
+                      opacity=0.12, line_width=0)
+        # above the plot, centred on its group: clear of the data and of the axis's tick labels
+        fig.add_annotation(x=x0 + (q.group_size - 1) / 2, y=1, yref="paper", yanchor="bottom", showarrow=False,
+                           text=f"scale {num(s)}<br>offset {num(o)}", font={"size": 10})
     return fig
 
 
