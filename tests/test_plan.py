@@ -178,6 +178,10 @@ def test_cli_plan_then_policy_with_it(tmp_path, capsys):
     assert load_plan(out).budget == 0.6
     assert cli.main(["policy", "--plan", str(out)]) == 0
     assert "widths by the plan" in capsys.readouterr().out
+    assert cli.main(["compare", "--schemes", "fp16", "--plan", str(out), "--prompt", "ROMEO: " * 40,
+                     "--max-tokens", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "== fp16:" in printed and "== kvarn plan 60% tail=128:" in printed
     with pytest.raises(SystemExit) as exc:
         cli.main(["plan", "--model", "teaching-llama", "--budget", "1.5"])
     assert exc.value.code == 2 and "outside (0, 1]" in capsys.readouterr().err
