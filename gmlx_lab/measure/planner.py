@@ -354,9 +354,11 @@ class PlanResults:
                         tied[p.report["against"]].interval("mean_kl"), "mean KL")
                 for _, row, p in self.pairs() if p.report["against"] in tied]
 
-    def same_as_uniform(self) -> list[str]:
-        """The uniform widths whose bytes leave the plan no other choice than that width everywhere."""
-        return sorted({p.report["against"] for p in self.plans if not self.measured(p)})
+    def same_as_uniform(self, tied: bool = False) -> list[str]:
+        """The uniform widths at whose bytes the plan (`tied`: with one width for K and V a layer) is that uniform
+        width itself, so it was not measured twice."""
+        return [p.report["against"] for p in self.plans
+                if bool(p.report.get("tied")) == tied and not self.measured(p)]
 
 
 def plan_results_path(model: str, machine: str = "cpu") -> Path:

@@ -20,7 +20,8 @@ def sensitivity_figure(sens: Sensitivity) -> go.Figure:
     """KL of each probe: a layer (row) stored at a width (column), every other layer fp16; one panel for K and one
     for V where the scheme stores them apart. Colour: log10 of the mean KL over the calibration windows."""
     parts = [p for p in ("K", "V", "KV") if p in sens.probes]
-    fig = make_subplots(rows=1, cols=len(parts), subplot_titles=[PARTS[p] for p in parts], horizontal_spacing=0.1)
+    fig = make_subplots(rows=1, cols=len(parts), subplot_titles=[PARTS[p] for p in parts], horizontal_spacing=0.04,
+                        shared_yaxes=True)
     values = [sens.kl(p, layer, w) for p in parts for layer in sens.layers for w in sens.widths]
     low, high = (math.log10(max(v, 1e-12)) for v in (min(values), max(values)))
     for col, part in enumerate(parts, start=1):
@@ -38,9 +39,7 @@ def sensitivity_figure(sens: Sensitivity) -> go.Figure:
                    "colorbar": {"title": {"text": "log10 KL"}, "thickness": 14}},
         margin={"l": 80, "r": 20, "t": 90, "b": 50})
     fig.update_yaxes(autorange="reversed")
-    fig.update_yaxes(title_text="layer stored at that width", row=1, col=1)
-    for col in range(2, len(parts) + 1):
-        fig.update_yaxes(title_text="layer", row=1, col=col)
+    fig.update_yaxes(title_text="layer", row=1, col=1)
     fig.update_xaxes(title_text="code width")
     return fig
 
