@@ -383,15 +383,16 @@ def load_plan_results(model: str = "gemma3-270m", machine: str = "cpu") -> dict[
 def markdown_table(results: dict[str, PlanResults]) -> str:
     """Each plan against the uniform width whose bytes it fits: both mean KLs with their intervals, the plan's
     widths and whether the intervals are apart (the README's and docs/results.md's table, checked by the tests)."""
-    lines = ["| scheme | bytes (% of fp16's) | uniform width: mean KL | plan: mean KL | plan's widths by layer | "
-             "95% intervals |", "|---|---|---|---|---|---|"]
+    lines = ["| plan | bytes (% of fp16's): uniform / plan | uniform width: mean KL | plan: mean KL | plan's widths by "
+             "layer | 95% intervals |", "|---|---|---|---|---|---|"]
     for spec, res in results.items():
         for uniform, planned, chosen in res.pairs() + res.pairs(tied=True):
             said = compare(planned.label, planned.interval("mean_kl"), uniform.label, uniform.interval("mean_kl"))
             widths = ", ".join(f"{layer}: {widths_label(w)}" for layer, w in sorted(chosen.widths.items()))
             verdict = ("apart: the plan is lower" if said.winner == planned.label else
                        "apart: the uniform width is lower" if said.winner else "overlap")
-            lines.append(f"| {spec} | {100 * uniform.share:.1f} / {100 * planned.share:.1f} | {uniform.label}: "
+            kind = f"{spec}, one width for K and V a layer" if chosen.report.get("tied") else spec
+            lines.append(f"| {kind} | {100 * uniform.share:.1f} / {100 * planned.share:.1f} | {uniform.label}: "
                          f"{uniform.interval('mean_kl').text()} | {planned.interval('mean_kl').text()} | {widths} | "
                          f"{verdict} |")
     return "\n".join(lines)
