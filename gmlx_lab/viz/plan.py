@@ -9,6 +9,7 @@ from plotly.subplots import make_subplots
 
 from ..measure.planner import PlanResults, Sensitivity, choose
 from ..plans import widths_label
+from ..registry import BASELINE
 from .figures import slider_figure
 from .style import log_ticks, num, scheme_color, wrapped
 
@@ -104,7 +105,7 @@ def plan_versus_uniform(results: dict[str, PlanResults]) -> go.Figure:
                 customdata=[[r.label, num(b.low), num(b.high)] for r, b in zip(rows, band)],
                 hovertemplate="%{customdata[0]}<br>%{x:.1f}% of fp16's bytes<br>mean KL %{y:.3g} "
                               "[%{customdata[1]}, %{customdata[2]}]<extra></extra>")
-    values = [r.interval("mean_kl").estimate for res in results.values() for r in res.rows if r.scheme != "fp16"]
+    values = [r.interval("mean_kl").estimate for res in results.values() for r in res.rows if r.scheme != BASELINE]
     first = next(iter(results.values())).sensitivity
     windows = len(next(iter(results.values())).rows[0].per_passage["mean_kl"])
     fig.update_layout(
