@@ -390,3 +390,21 @@ def test_checker_flags_a_slider_that_cannot_move() -> None:
     assert any("cannot move" in p for p in viz.figure_problems(fig))
     one = viz.slider_figure(figs[:1], ["256"], "context: ")
     assert any("1 step(s)" in p for p in viz.figure_problems(one))
+
+
+def test_checker_flags_an_annotation_over_the_legend() -> None:
+    def figure(**legend) -> go.Figure:
+        fig = go.Figure([go.Scatter(x=[0, 1], y=[0, i], name=f"line {i}") for i in range(3)])
+        fig.update_layout(xaxis_title="x", yaxis_title="y", legend=legend)
+        return fig
+
+    beside = figure()  # plotly's vertical legend, right of the plot from its top
+    beside.add_annotation(x=1.05, y=0.95, xref="paper", yref="paper", text="a note", showarrow=False)
+    assert any("lies where the legend is drawn" in p for p in viz.figure_problems(beside))
+    below = figure(orientation="h", y=-0.2)
+    below.add_annotation(x=0.5, y=-0.22, xref="paper", yref="paper", text="a note", showarrow=False)
+    assert any("lies where the legend is drawn" in p for p in viz.figure_problems(below))
+    clear = figure(orientation="h", y=-0.2)
+    clear.add_annotation(x=0.5, y=1.05, xref="paper", yref="paper", text="a note", showarrow=False)
+    clear.add_annotation(x=1.05, y=0.95, xref="paper", yref="paper", text="a note", showarrow=False)
+    assert viz.figure_problems(clear) == []

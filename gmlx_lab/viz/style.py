@@ -306,6 +306,29 @@ def _coloraxis_shown(layout: go.Layout, name: str) -> bool:
     return axis is not None and axis.showscale is not False
 
 
+LEGEND_ROW = 0.06  # the share of a plot's height one legend row takes, about (for `_legend_box`)
+
+
+def _legend_box(layout: go.Layout, entries: int) -> tuple[float, float, float, float] | None:
+    """Where the legend lies in paper coordinates, about: (x0, x1, y0, y1); None where none is drawn. Plotly
+    draws one for two or more entries unless told otherwise; a vertical legend stands right of the plot from its
+    top, a horizontal one spans the width at its `y` (one row per four entries)."""
+    if layout.showlegend is False or (entries < 2 and layout.showlegend is not True) or entries == 0:
+        return None
+    legend = layout.legend
+    if legend.orientation == "h":
+        y = 1.02 if legend.y is None else legend.y
+        rows = -(-entries // 4)
+        top = y + rows * LEGEND_ROW if legend.yanchor == "bottom" else y
+        return (0.0 if legend.x is None else legend.x - (1 if legend.xanchor == "right" else 0), 1.0,
+                top - rows * LEGEND_ROW, top)
+    x = 1.02 if legend.x is None else legend.x
+    y = 1.0 if legend.y is None else legend.y
+    top = y + entries * LEGEND_ROW if legend.yanchor == "bottom" else y
+    left = x - 0.25 if legend.xanchor == "right" else x
+    return left, left + 0.25, top - entries * LEGEND_ROW, top
+
+
 def figure_problems(fig: go.Figure) -> list[str]:
     """What in `fig` breaks the lab's figure rules, one sentence each (an empty list: none).
 
@@ -321,7 +344,8 @@ def figure_problems(fig: go.Figure) -> list[str]:
     - a legend of more than MAX_LEGEND entries (group or facet beyond that: similar shades cannot be told apart);
     - a heatmap without its colour scale (a colour that means a number needs its key);
     - a slider with fewer than two steps, or one whose steps name frames the figure lacks (it cannot move);
-    - a title line longer than MAX_TITLE_CHARS (MAX_SUBTITLE_CHARS in <sup>): a notebook's page clips it.
+    - a title line longer than MAX_TITLE_CHARS (MAX_SUBTITLE_CHARS in <sup>): a notebook's page clips it;
+    - an annotation placed (in paper coordinates) where the legend is drawn (`_legend_box`): it covers entries.
     """
     problems: list[str] = []
     layout = fig.layout
@@ -387,6 +411,11 @@ def figure_problems(fig: go.Figure) -> list[str]:
     problems += _text_problems("the title", [layout.title.text])
     problems += _long_title_lines(layout.title.text)
     problems += _text_problems("an annotation", [a.text for a in layout.annotations])
+    box = _legend_box(layout, len(legend_names))
+    for a in layout.annotations if box is not None else ():
+        if a.xref == "paper" and a.yref == "paper" and a.x is not None and a.y is not None \
+                and box[0] <= a.x <= box[1] and box[2] <= a.y <= box[3]:
+            problems.append(f"the annotation {str(a.text)[:40]!r} lies where the legend is drawn")
     for key in sorted(used_axes):
         if key in layout and layout[key].title is not None:
             problems += _text_problems(f"{key} title", [layout[key].title.text])
