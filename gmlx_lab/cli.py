@@ -254,7 +254,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .measure.planner import choose, plan_markdown, sensitivity
+    from .measure.planner import choose, measure_plan, plan_markdown, sensitivity
     from .specs import read_scheme_spec
 
     scheme, options = read_scheme_spec(args.scheme)
@@ -265,6 +265,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sens = sensitivity(model, tokenizer, scheme, args.context, quantize_last=args.quantize_last,
                        quantize_sliding=args.quantize_sliding, progress=not args.quiet, **options)
     chosen = choose(sens, args.budget)
+    if args.measure:
+        chosen.report["measured"] = measure_plan(model, tokenizer, sens, chosen)
     if args.json:
         print(json.dumps(chosen.to_dict(), indent=1))
     else:
@@ -513,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-last", action="store_true", help="the last layer of a deep stack is the plan's "
                    "to decide too")
     p.add_argument("--quantize-sliding", action="store_true", help="sliding-window layers are the plan's too")
+    p.add_argument("--measure", action="store_true", help="also measure the plan against the widest uniform width "
+                   "that fits the budget, on the passages the probes did not read (minutes more)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the plan as JSON (make_cache(plan=FILE))")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=cmd_plan)

@@ -14,6 +14,7 @@ from gmlx_lab.measure.planner import (
     choose,
     load_plan_results,
     markdown_table,
+    measure_plan,
     plan_markdown,
     sensitivity,
     split_windows,
@@ -26,6 +27,13 @@ from gmlx_lab.registry import get_scheme
 @pytest.fixture(scope="module")
 def teaching():
     return load("teaching-llama")
+
+
+@pytest.fixture(scope="module")
+def probed(teaching):
+    """kvarn's probes on the bundled model at 1024 tokens (128-token tail), 16 tokens read back a window."""
+    model, tokenizer = teaching
+    return sensitivity(model, tokenizer, "kvarn", 1024, decode=16, kv_tail_tokens=128)
 
 
 def mixed_plan() -> Plan:
@@ -141,9 +149,9 @@ def test_the_search_is_exact(names):
         choose(sens, 1.5)
 
 
-def test_sensitivity_on_the_bundled_model(teaching):
+def test_sensitivity_on_the_bundled_model(teaching, probed):
     model, tokenizer = teaching
-    sens = sensitivity(model, tokenizer, "kvarn", 1024, decode=16, kv_tail_tokens=128)
+    sens = probed
     assert sens.layers == list(range(7)) and set(sens.probes) == {"K", "V"}
     assert all(len(sens.probes["K"][str(layer)]) == 6 and len(sens.probes["V"][str(layer)]) == 6
                for layer in sens.layers)
@@ -160,6 +168,19 @@ def test_sensitivity_on_the_bundled_model(teaching):
     assert choose(again, tight.budget) == tight
     with pytest.raises(ValueError, match="a plan chooses the widths"):
         sensitivity(model, tokenizer, "kvarn", 256, bits=4)
+
+
+def test_a_plan_measured_against_the_widest_uniform_width_that_fits(teaching, probed):
+    model, tokenizer = teaching
+    sens = probed
+    chosen = choose(sens, 0.58)
+    measured = measure_plan(model, tokenizer, sens, chosen, decode=8)
+    assert measured["uniform"]["label"] == "kvarn3 tail=128"  # kvarn4's bytes are above 58% here, kvarn3's below
+    assert measured["plan"]["bytes"] <= 0.58 * sens.fp16_bytes and len(measured["windows"]) == 6
+    assert measured["plan"]["mean_kl"]["n"] == 6 and "mean KL" in measured["sentence"]
+    chosen.report["measured"] = measured
+    assert "Measured on 6 other windows:" in plan_markdown(sens, chosen)
+    assert json.loads(json.dumps(chosen.to_dict()))["report"]["measured"]["uniform"]["label"] == "kvarn3 tail=128"
 
 
 def test_calibration_and_evaluation_read_different_windows(teaching):

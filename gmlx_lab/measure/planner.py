@@ -36,7 +36,7 @@ from ..plans import Plan, width_choices, width_names, widths_label
 from ..policy import LayerDecision, Policy, model_name, policy
 from ..registry import BASELINE, get_scheme
 from .banded import Row, policy_metrics
-from .intervals import Comparison, compare
+from .intervals import Comparison, Interval, bootstrap, compare
 from .passages import Window, windows
 from .sizes import layer_bytes, layer_shapes, policy_bytes
 from .verdict import RESULTS_DIR
@@ -236,15 +236,18 @@ def sensitivity(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", context
                        probes, byte_table, fixed, fp16, time.perf_counter() - start, METHOD.format(decode=decode))
 
 
-def plan(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", budget: float = 0.5, context: int = 4096,
-         **kwargs: Any) -> Plan:
+def plan(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", budget: float = 0.5, context: int = 4096, *,
+         measure: bool = False, **kwargs: Any) -> Plan:
     """Per-layer widths of `scheme` with the least predicted KL in `budget` of fp16's bytes at `context`, from this
-    model's measured sensitivity (`sensitivity` takes the other arguments: the tail, quantize_last, ...)."""
+    model's measured sensitivity (`sensitivity` takes the other arguments: the tail, quantize_last, ...). With
+    `measure`, the plan is also measured against the widest uniform width that fits the budget (`measure_plan`)."""
     if not 0 < budget <= 1:
         raise ValueError(f"budget is a share of fp16's bytes in (0, 1], got {budget}")
     sens = sensitivity(model, tokenizer, scheme, context, **kwargs)
     chosen = choose(sens, budget)
     chosen.report["sensitivity_seconds"] = round(sens.seconds, 1)
+    if measure:
+        chosen.report["measured"] = measure_plan(model, tokenizer, sens, chosen)
     return chosen
 
 
@@ -301,6 +304,31 @@ def evaluate(model: nn.Module, tokenizer: Any, sens: Sensitivity, *, decode: int
     return rows, plans
 
 
+def measure_plan(model: nn.Module, tokenizer: Any, sens: Sensitivity, chosen: Plan, *,
+                 decode: int = EVAL_DECODE) -> dict[str, Any]:
+    """The plan and the widest uniform width whose bytes fit its budget, measured on the evaluation windows by the
+    verdict's method: each one's mean KL with its interval, their bytes, and `intervals.compare`'s sentence."""
+    uniform = None
+    for width in sens.widths:  # the widest that fits, as a user without a plan would choose
+        candidate = uniform_policy(sens, model, width)
+        if policy_bytes(candidate, sens.context) <= chosen.budget * sens.fp16_bytes:
+            uniform = candidate
+    _, held = split_windows(sens.model, tokenizer, sens.context + decode + 1)
+    entries = [("plan", policy(model, plan=chosen, name=sens.model))] + ([("uniform", uniform)] if uniform else [])
+    tokens = mx.array([w.tokens for w in held], dtype=mx.int32)
+    found = policy_metrics(model, tokens, sens.context, decode, [p for _, p in entries])
+    out: dict[str, Any] = {"windows": [w.name for w in held], "decode": decode}
+    for (name, chosen_policy), metrics in zip(entries, found):
+        out[name] = {"label": chosen_policy.label, "bytes": policy_bytes(chosen_policy, sens.context),
+                     "mean_kl": bootstrap(metrics["mean_kl"]).to_dict()}
+    if uniform is None:
+        out["sentence"] = f"no uniform {sens.scheme} width fits {100 * chosen.budget:.0f}% of fp16's bytes"
+    else:
+        out["sentence"] = compare(out["plan"]["label"], Interval.from_dict(out["plan"]["mean_kl"]),
+                                  out["uniform"]["label"], Interval.from_dict(out["uniform"]["mean_kl"])).sentence()
+    return out
+
+
 def plan_markdown(sens: Sensitivity, chosen: Plan) -> str:
     """The plan layer by layer (widths, bytes, predicted KL) and its total against fp16, as a markdown table."""
     lines = ["| layer | widths | KiB | predicted KL |", "|---|---|---|---|"]
@@ -312,8 +340,10 @@ def plan_markdown(sens: Sensitivity, chosen: Plan) -> str:
     lines.append(f"\n{chosen.label} on {sens.model} at {sens.context} tokens: {report['bytes'] / 1024:.0f} KiB, "
                  f"{100 * report['share']:.1f}% of fp16's {sens.fp16_bytes / 1024:.0f} KiB (the budget "
                  f"{100 * chosen.budget:.0f}%); predicted KL {report['predicted_kl']:.2e} nats (the sum of the "
-                 f"layers' probes on {len(sens.calibration)} calibration windows; measure it with "
-                 "benchmarks/plan.py)")
+                 f"layers' probes on {len(sens.calibration)} calibration windows)")
+    if "measured" in report:
+        measured = report["measured"]
+        lines.append(f"Measured on {len(measured['windows'])} other windows: {measured['sentence']}")
     return "\n".join(lines)
 
 
