@@ -301,7 +301,7 @@ class Policy:
 
     def as_dict(self) -> dict[str, Any]:
         """The `kv_quant` report: scheme, widths, options, the summary and every layer's decision."""
-        bits = get_scheme(self.scheme).bits(self.options)
+        bits = None if self.plan is not None else get_scheme(self.scheme).bits(self.options)  # a plan: per layer
         return {
             "model": self.name,
             "scheme": self.scheme,

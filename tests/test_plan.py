@@ -93,6 +93,7 @@ def test_make_cache_takes_a_plan_layer_by_layer(teaching, tmp_path, capsys):
     loaded = load_prompt_cache(path)
     assert [getattr(c, "v_bits", None) for c in loaded] == [2, 3, 4, None, 3, 4, 2, None]
     assert chosen.as_dict()["plan"]["widths"]["6"] == {"k_bits": 4, "v_bits": 2}
+    assert chosen.as_dict()["bits"] is None and chosen.as_dict()["layers"][6]["options"] == {"k_bits": 4, "v_bits": 2}
 
 
 def test_a_plan_that_does_not_fit_is_refused(teaching):
