@@ -373,13 +373,19 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+def executed_notebooks() -> list[Path]:
+    """Every notebook as this session's JupyterLab run saved it; one whose run is missing is executed now."""
+    for path in NOTEBOOKS:
+        if path.name not in kept:  # this test alone (or a notebook's test failed): the batch run stands in
+            book.execute_to(path, EXECUTED)
+    return [EXECUTED / path.name for path in NOTEBOOKS]
+
+
 @pytest.fixture()
 def served_book():
     """The book built from the notebooks this session ran in JupyterLab, served on a free localhost port."""
     _require_browser()
-    for path in NOTEBOOKS:
-        if path.name not in kept:  # this test alone (or a notebook's test failed): the batch run stands in
-            book.execute_to(path, EXECUTED)
+    executed_notebooks()
     pages = book.build(ROOT / "notebooks", BOOK, executed=EXECUTED, repo="gmlx/gmlx_lab")
     handler = functools.partial(QuietHandler, directory=str(BOOK))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -478,3 +484,21 @@ def test_book_site_renders(browser: Browser, served_book) -> None:
     assert not stuck, f"slider figures that did not move without a kernel: {stuck}"
     assert not errors, errors[:5]
     assert not outside, f"the book tried to reach outside localhost: {outside[:5]}"
+
+
+def test_every_figure_the_notebooks_draw_follows_the_figure_rules() -> None:
+    """The figure rules (`viz.figure_problems`) on every plotly figure of every executed notebook, not only on the
+    builders' examples: a notebook's own call (its title, its data) can break a rule its builder keeps."""
+    import plotly.graph_objects as go
+
+    from gmlx_lab import viz
+
+    found, figures = [], 0
+    for path in executed_notebooks():
+        for i, cell in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"]):
+            for output in cell.get("outputs", []):
+                data = output.get("data", {}).get("application/vnd.plotly.v1+json")
+                if data is not None:
+                    figures += 1
+                    found += [f"{path.name} cell {i}: {p}" for p in viz.figure_problems(go.Figure(data))]
+    assert figures > 50 and found == []
