@@ -155,3 +155,24 @@ def test_every_glossary_link_names_a_term_there() -> None:
     links = {(p.name, a) for p in folder.glob("*.ipynb") for c in nbformat.read(p, as_version=4).cells
              if c.cell_type == "markdown" for a in re.findall(r"13_glossary\.ipynb#([\w-]+)", c.source)}
     assert len(links) >= 10 and {a for _, a in links} <= anchors, sorted(a for _, a in links if a not in anchors)
+
+
+def test_the_stamp_says_uncommitted_only_for_what_the_pages_are_made_from(tmp_path: Path) -> None:
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    for name in ("notebooks/00_a.ipynb", "docs/images/shot.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("one")
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "x", "--allow-empty")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "files")
+    folder = tmp_path / "notebooks"
+    assert book.commit_stamp(folder).startswith(" at commit ") and "uncommitted" not in book.commit_stamp(folder)
+    (tmp_path / "docs/images/shot.png").write_text("two")  # a test's screenshot: not what a page is made from
+    assert "uncommitted" not in book.commit_stamp(folder)
+    (tmp_path / "notebooks/00_a.ipynb").write_text("two")
+    assert book.commit_stamp(folder).endswith(" with uncommitted changes")

@@ -81,18 +81,23 @@ def build(notebooks: Path, out: Path, executed: Path | None = None, repo: str | 
             log(f"[book] {name}: {run.seconds:.1f} s")
     pages = load_pages(Path(executed), names)
     dates = sorted({p.nb.metadata[META]["date"] for p in pages})
-    stamp = f"executed {' to '.join([dates[0], dates[-1]] if len(dates) > 1 else dates)}{_commit(notebooks)}"
+    stamp = f"executed {' to '.join([dates[0], dates[-1]] if len(dates) > 1 else dates)}{commit_stamp(notebooks)}"
     machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, {_mlx_device()}"
     return build_site(pages, Path(out), repo or github_repo(Path(notebooks)), stamp, machine)
 
 
-def _commit(folder: Path) -> str:
+BUILT_FROM = (":/notebooks", ":/gmlx_lab", ":/benchmarks/results")  # what a page's run reads: its changes count
+
+
+def commit_stamp(folder: Path) -> str:
+    """' at commit abc1234', with ' with uncommitted changes' where what the pages are made from differs from it
+    (a test's screenshot in docs/ does not make the book's run another commit's)."""
     head = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, check=False).stdout.strip()
     if not head:
         return ""
-    dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain"], capture_output=True, text=True,
-                           check=False).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", *BUILT_FROM],
+                           capture_output=True, text=True, check=False).stdout.strip()
     return f" at commit {head}{' with uncommitted changes' if dirty else ''}"
 
 
