@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -457,14 +457,13 @@ def planned_policy(model: nn.Module, plan: Plan, scheme: str | None, name: str |
         if d.decision == BASELINE and widths is not None:
             raise ValueError(f"{where}: the plan quantizes layer {d.index}, which the policy keeps fp16 ({d.reason})")
         if widths is None:
-            decided.append(LayerDecision(**{**asdict(d), "decision": BASELINE, "reason": "kept fp16 by the plan"}))
+            decided.append(replace(d, decision=BASELINE, reason="kept fp16 by the plan"))
             continue
         try:
             spec.resolve(**{**plan.options, **widths})
         except ValueError as err:
             raise ValueError(f"{where}: layer {d.index}: {err}") from None
-        decided.append(LayerDecision(**{**asdict(d), "options": dict(widths),
-                                        "reason": f"{d.reason}; {widths_label(widths)} by the plan"}))
+        decided.append(replace(d, options=dict(widths), reason=f"{d.reason}; {widths_label(widths)} by the plan"))
     chosen = Policy(model, base.name, plan.scheme, base.options, decided, overrides=base.overrides,
                     environment=base.environment, plan=plan)
     return chosen.windowed(max_kv_size)

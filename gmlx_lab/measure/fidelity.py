@@ -34,7 +34,7 @@ from ..specs import SchemeLike, parse_scheme_spec, read_scheme_spec, scheme_labe
 from .audit import AuditError, AuditReport, LayerAudit, audit, fp16_equivalent  # noqa: F401
 from .metrics import kl_from_logprobs, perplexity_from_nll
 
-__all__ = ["FidelityResult", "SchemeFidelity", "SWEEPS", "fidelity", "layer_sensitivity", "sweep_specs"]
+__all__ = ["FidelityResult", "SchemeFidelity", "SWEEPS", "fidelity", "layer_sensitivity", "only_layer", "sweep_specs"]
 
 # -- results ----------------------------------------------------------------------------------------
 
@@ -340,9 +340,17 @@ def single_layer_policy(model: nn.Module, spec: str | tuple[str, dict[str, Any]]
         raise ValueError(f"layer {layer} is {target.kind}: it has no growing K/V cache to quantize")
     if target.decision == BASELINE and target.reason != "last of deep stack":
         raise ValueError(f"layer {layer} cannot use {scheme}: {target.reason}")
-    layers = [replace(d, decision=scheme, reason="sensitivity probe: only this layer quantized")
-              if d.index == layer else replace(d, decision=BASELINE, reason="sensitivity probe") for d in base.layers]
-    return Policy(model, base.name, scheme, base.options, layers, environment=base.environment)
+    return only_layer(base, layer)
+
+
+def only_layer(base: Policy, layer: int, widths: dict[str, int] | None = None) -> Policy:
+    """`base` with only `layer` quantized (at its own `widths` if given, a plan's per-layer options), every other
+    layer fp16: a sensitivity probe."""
+    layers = [replace(d, decision=base.scheme, reason="sensitivity probe: only this layer quantized",
+                      options=dict(widths or {}))
+              if d.index == layer else replace(d, decision=BASELINE, reason="sensitivity probe", options={})
+              for d in base.layers]
+    return Policy(base.model, base.name, base.scheme, base.options, layers, environment=base.environment)
 
 
 def layer_sensitivity(model: nn.Module, tokenizer: Any, text_or_tokens: str | Sequence[int] | mx.array,

@@ -33,9 +33,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..plans import Plan, width_choices, width_names, widths_label
-from ..policy import LayerDecision, Policy, model_name, policy
+from ..policy import Policy, model_name, policy
 from ..registry import BASELINE, get_scheme
 from .banded import Row, policy_metrics
+from .fidelity import only_layer
 from .intervals import Comparison, Interval, bootstrap, compare
 from .passages import Window, windows
 from .sizes import layer_bytes, layer_shapes, policy_bytes
@@ -54,6 +55,13 @@ def split_windows(model: str, tokenizer: Any, length: int) -> tuple[list[Window]
     """(calibration, evaluation) windows of `length` tokens: every fourth of the model's eight, and the rest."""
     found = windows(model, tokenizer, length, WINDOWS)
     return found[::CALIBRATION_STEP], [w for i, w in enumerate(found) if i % CALIBRATION_STEP]
+
+
+def width_pairs(names: tuple[str, ...], widths: tuple[int, ...], tied: bool = False) -> list[dict[str, int]]:
+    """Every widths setting of one layer: each width for `bits`, or each K and V pair (`tied`: K = V only)."""
+    if names == ("bits",):
+        return [{"bits": b} for b in widths]
+    return [{"k_bits": k, "v_bits": v} for k in widths for v in widths if k == v or not tied]
 
 
 @dataclass(frozen=True)
@@ -116,9 +124,8 @@ class Sensitivity:
     def choices(self, layer: int, tied: bool = False) -> list[Choice]:
         """Every way to store the layer, fp16 first (`tied`: K and V at one width, where the scheme splits them)."""
         out = [Choice(None, self.bytes[str(layer)]["fp16"], 0.0)]
-        pairs = ([{"bits": b} for b in self.widths] if self.names == ("bits",) else
-                 [{"k_bits": k, "v_bits": v} for k in self.widths for v in self.widths if k == v or not tied])
-        return out + [Choice(w, self.bytes[str(layer)][widths_label(w)], self.predicted(layer, w)) for w in pairs]
+        return out + [Choice(w, self.bytes[str(layer)][widths_label(w)], self.predicted(layer, w))
+                      for w in width_pairs(self.names, self.widths, tied)]
 
     def frontier(self, tied: bool = False) -> list[tuple[float, float, tuple[Choice, ...]]]:
         """The plans no other plan beats on both bytes and predicted KL, as (bytes, predicted KL, choices), fewest
@@ -171,14 +178,6 @@ def choose(sens: Sensitivity, budget: float, tied: bool = False) -> Plan:
                 sens.context, budget, dict(sens.overrides), report)
 
 
-def probe_policy(base: Policy, layer: int, widths: dict[str, int]) -> Policy:
-    """`base` with only `layer` quantized, at `widths`; every other layer fp16."""
-    layers = [LayerDecision(**{**vars(d), "options": dict(widths), "reason": "sensitivity probe"}) if d.index == layer
-              else LayerDecision(**{**vars(d), "decision": BASELINE, "reason": "sensitivity probe", "options": {}})
-              for d in base.layers]
-    return Policy(base.model, base.name, base.scheme, base.options, layers, environment=base.environment)
-
-
 def sensitivity(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", context: int = 4096, *,
                 decode: int = PROBE_DECODE, name: str | None = None, quantize_last: bool = False,
                 quantize_sliding: bool = False, progress: bool = False, **options: Any) -> Sensitivity:
@@ -202,11 +201,11 @@ def sensitivity(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", context
     for layer in planned:
         for w in widths:
             if names == ("bits",):
-                runs.append(("KV", layer, w, probe_policy(base, layer, {"bits": w})))
+                runs.append(("KV", layer, w, only_layer(base, layer, {"bits": w})))
             else:
-                runs.append(("K", layer, w, probe_policy(base, layer, {"k_bits": w, "v_bits": widths[-1]})))
+                runs.append(("K", layer, w, only_layer(base, layer, {"k_bits": w, "v_bits": widths[-1]})))
                 if w != widths[-1]:  # V at the widest is the K probe at the widest
-                    runs.append(("V", layer, w, probe_policy(base, layer, {"k_bits": widths[-1], "v_bits": w})))
+                    runs.append(("V", layer, w, only_layer(base, layer, {"k_bits": widths[-1], "v_bits": w})))
     start = time.perf_counter()
 
     def keep(i: int, metrics: dict[str, list[float]]) -> None:
@@ -223,9 +222,7 @@ def sensitivity(model: nn.Module, tokenizer: Any, scheme: str = "kvarn", context
     byte_table: dict[str, dict[str, float]] = {}
     for layer in planned:
         row = {"fp16": layer_bytes(shapes[layer], BASELINE, context, {})}
-        pairs = [{"bits": b} for b in widths] if names == ("bits",) else \
-            [{"k_bits": k, "v_bits": v} for k in widths for v in widths]
-        for w in pairs:
+        for w in width_pairs(names, widths):
             row[widths_label(w)] = layer_bytes(shapes[layer], scheme, context, {**base.options, **w})
         byte_table[str(layer)] = row
     fixed = sum(layer_bytes(s, d.decision, context, base.options) for s, d in zip(shapes, base.layers)
@@ -272,12 +269,11 @@ def evaluate(model: nn.Module, tokenizer: Any, sens: Sensitivity, *, decode: int
     `report["against"]` the uniform width whose bytes it fits."""
     _, held = split_windows(sens.model, tokenizer, sens.context + decode + 1)
     tokens = mx.array([w.tokens for w in held], dtype=mx.int32)
-    shapes = None
     entries: list[tuple[str, Policy]] = [("fp16", policy(model, BASELINE, name=sens.model))]
+    shapes = layer_shapes(entries[0][1])
     plans: list[Plan] = []
     for width in (w for w in sens.widths if w <= widest):
         uniform = uniform_policy(sens, model, width)
-        shapes = shapes or layer_shapes(uniform)
         share = policy_bytes(uniform, sens.context, shapes) / sens.fp16_bytes
         if share < sens.smallest_share():
             continue  # rules kept some layers fp16 that the plan decides: no plan fits here
@@ -308,10 +304,11 @@ def measure_plan(model: nn.Module, tokenizer: Any, sens: Sensitivity, chosen: Pl
                  decode: int = EVAL_DECODE) -> dict[str, Any]:
     """The plan and the widest uniform width whose bytes fit its budget, measured on the evaluation windows by the
     verdict's method: each one's mean KL with its interval, their bytes, and `intervals.compare`'s sentence."""
-    uniform = None
+    uniform, shapes = None, None
     for width in sens.widths:  # the widest that fits, as a user without a plan would choose
         candidate = uniform_policy(sens, model, width)
-        if policy_bytes(candidate, sens.context) <= chosen.budget * sens.fp16_bytes:
+        shapes = shapes or layer_shapes(candidate)
+        if policy_bytes(candidate, sens.context, shapes) <= chosen.budget * sens.fp16_bytes:
             uniform = candidate
     _, held = split_windows(sens.model, tokenizer, sens.context + decode + 1)
     entries = [("plan", policy(model, plan=chosen, name=sens.model))] + ([("uniform", uniform)] if uniform else [])
@@ -319,7 +316,7 @@ def measure_plan(model: nn.Module, tokenizer: Any, sens: Sensitivity, chosen: Pl
     found = policy_metrics(model, tokens, sens.context, decode, [p for _, p in entries])
     out: dict[str, Any] = {"windows": [w.name for w in held], "decode": decode}
     for (name, chosen_policy), metrics in zip(entries, found):
-        out[name] = {"label": chosen_policy.label, "bytes": policy_bytes(chosen_policy, sens.context),
+        out[name] = {"label": chosen_policy.label, "bytes": policy_bytes(chosen_policy, sens.context, shapes),
                      "mean_kl": bootstrap(metrics["mean_kl"]).to_dict()}
     if uniform is None:
         out["sentence"] = f"no uniform {sens.scheme} width fits {100 * chosen.budget:.0f}% of fp16's bytes"

@@ -54,7 +54,7 @@ from .figures import (
     weights_kv_positions,
     window_stream,
 )
-from .plan import plan_figure, plan_slider, plan_versus_uniform, sensitivity_figure, widths_text
+from .plan import plan_figure, plan_slider, plan_versus_uniform, sensitivity_figure
 from .quant import (
     AffineRow,
     affine_row,
@@ -100,7 +100,7 @@ __all__ += ["SchemeIdea", "field_kl_figure", "field_passkey_figure", "idea_figur
 __all__ += ["context_ticks", "log_ticks"]
 __all__ += ["butterfly_slider", "capacity_figure", "normalize_slider", "regions_slider", "scale_spans",
             "slider_figure", "verdict_figure"]
-__all__ += ["plan_figure", "plan_slider", "plan_versus_uniform", "sensitivity_figure", "widths_text"]
+__all__ += ["plan_figure", "plan_slider", "plan_versus_uniform", "sensitivity_figure"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 

@@ -8,7 +8,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..measure.planner import PlanResults, Sensitivity, choose
-from ..plans import widths_label
 from ..registry import BASELINE
 from .figures import slider_figure
 from .style import log_ticks, num, scheme_color, wrapped
@@ -117,8 +116,3 @@ def plan_versus_uniform(results: dict[str, PlanResults]) -> go.Figure:
         legend={"orientation": "h", "y": -0.2}, margin={"l": 70, "r": 20, "t": 90, "b": 110})
     return fig
 
-
-def widths_text(sens: Sensitivity, budget: float) -> str:
-    """The plan under `budget` in one line: each layer's widths ('layer 5 K4 V3, layer 11 fp16')."""
-    chosen = choose(sens, budget)
-    return ", ".join(f"layer {layer} {widths_label(chosen.widths[layer])}" for layer in sens.layers)
