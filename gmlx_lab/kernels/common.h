@@ -54,7 +54,8 @@ FN void hadamard_rows(SHARED_PTR float* x, u32 rows, u32 d, u32 tid, u32 threads
 // others into plain[j D + d] (or all into rot where plain is rot). One threadgroup runs this tail alone after
 // the others of its kernel end, so it is a chain of loads: a thread takes 4 channels of a row as one 16-byte load
 // and loads DEPTH splits of them before adding any. DEPTH costs registers (5 a split): kvarn_decode's are capped
-// anyway and it takes 16; affine_decode's set its occupancy, and 16 takes it from 96 to 128 (docs/gpu-performance.md).
+// anyway and it takes 16; affine_decode's set its occupancy, and 16 takes it from 96 to 128
+// (docs/history/gpu-rounds.md).
 // D: a multiple of 4.
 template <int D, int ROWS, int THREADS, int DEPTH>
 FN void merge_partials(GLOBAL_CONST float* lse_all, GLOBAL_CONST float* o_all, int NQ, int j0, int nsplit, int nrot,

@@ -31,7 +31,7 @@ DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled
 # through slots in threadgroup memory by asynchronous copies (CUDA's cp.async), NST - 1 chunks ahead, instead of
 # loading each chunk's words just before its tensor-core products; ring_stages says how deep, and where no ring
 # fits it is off. It runs from RING_MIN_RECORDS records a head on: below, staging costs more than it hides
-# (docs/gpu-performance.md has the chained measurements); the setting `ring` (config.py) forces it for tests.
+# (docs/history/gpu-rounds.md has the chained measurements); the setting `ring` (config.py) forces it for tests.
 RING_MIN_RECORDS = 192
 
 
@@ -72,7 +72,7 @@ def _param_rows(values: tuple[int, ...], moving: int, base: int) -> mx.array:
 def step_params(values: tuple[int, ...], moving: int) -> mx.array:
     """`int_params(*values)` for a decode step, where entry `moving` (the token count) grows by one every step: a row
     of a table made once per PARAM_ROWS counts. A row is a view, so a step uploads nothing (a new small array
-    every step is one more host-to-device copy a layer; docs/gpu-performance.md)."""
+    every step is one more host-to-device copy a layer; docs/history/gpu-rounds.md)."""
     base = values[moving] // PARAM_ROWS * PARAM_ROWS
     fixed = values[:moving] + (0,) + values[moving + 1:]
     return _param_rows(fixed, moving, base)[values[moving] - base]
@@ -150,7 +150,7 @@ KVARN_PROW = 132  # floats per row of kvarn_decode's weights and outputs tiles (
 # (512 is also Metal's limit: past it the queries and one slice's outputs fill a threadgroup's 32 KB)
 # CUDA: kvarn_decode's launch bounds, at most KVARN_THREADS threads and at least KVARN_MIN_BLOCKS threadgroups a
 # multiprocessor, so ptxas keeps a thread's registers to 65536 / (128 x 3): 168, no spills (4 threadgroups leave
-# too few registers and spill; docs/gpu-performance.md).
+# too few registers and spill; docs/history/gpu-rounds.md).
 KVARN_MIN_BLOCKS = 3
 CUDA_DEFINES["kvarn_decode"] = {"KVARN_THREADS": 32 * KVARN_WARPS, "KVARN_MIN_BLOCKS": KVARN_MIN_BLOCKS}
 # One wave of warps on an H200: 132 multiprocessors x KVARN_MIN_BLOCKS threadgroups of 4 warps; more would leave
@@ -198,7 +198,7 @@ def kvarn_units(records: int, recent: int) -> tuple[int, int]:
 
 # fp16 units a warp walks: an fp16 unit (128 tokens of fp16 K and V) reads several times a record's bytes, so a
 # warp takes one; with as many as a warp's records the fp16 split's warps finish a call last, which a decode step,
-# whose layers wait for each other, pays (docs/gpu-performance.md).
+# whose layers wait for each other, pays (docs/history/gpu-rounds.md).
 FP16_UNITS_PER_WARP = 1
 
 
@@ -240,7 +240,7 @@ def kernel_merges() -> bool:
     """Whether kvarn_decode and affine_decode merge their splits themselves (MERGE = 1, one launch a step): on
     CUDA, whose fences make one threadgroup's writes visible to the others (Metal's do not), unless the setting
     `merge_in_kernel` (config.py) is off for a test. One launch a layer is less host work for the same kernel time
-    (docs/gpu-performance.md)."""
+    (docs/history/gpu-rounds.md)."""
     return config.current().merge_in_kernel and kernel_backend() == "cuda"
 
 

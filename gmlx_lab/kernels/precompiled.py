@@ -3,7 +3,7 @@ template constants, kept in a folder on disk and launched through mx.fast.precom
 
 MLX 0.32 compiles a custom kernel (mx.fast.cuda_kernel) with NVRTC in every process, once per set of template
 constants, and keeps the result in memory only, so each new process paid the compiles of every kernel variant
-again (docs/gpu-performance.md, "First use"). Here the same text (the CUDA prelude, common.h, the
+again (docs/history/gpu-rounds.md, "First use"). Here the same text (the CUDA prelude, common.h, the
 kernel's helpers and body, as `sources.assemble` gives them; `kernel_text` adds the signature MLX would write)
 goes to NVRTC, the library MLX itself compiles with, and the cubin is stored as
     <folder>/mlx-<MLX version>/<arch>/<kernel>/<key>.cubin
@@ -17,7 +17,7 @@ before compiling (mlx/backend/cuda/jit_module.cpp, v0.32); a custom kernel's mod
 std::hash of the text MLX writes around the kernel's body. So the cubin is written there under that name and the
 kernel is launched with mx.fast.cuda_kernel, which then loads it instead of compiling. The other way,
 mx.fast.precompiled_cuda_kernel, hashes the whole cubin (129 KB for kvarn_decode, against MLX's 27 KB of text) at
-every launch, a cost a layer of every decode step (docs/gpu-performance.md). A probe kernel
+every launch, a cost a layer of every decode step (docs/history/gpu-rounds.md). A probe kernel
 checks once per process that MLX reads what is handed to it (`handoff_works`); where it does not, `launch` uses
 precompiled_cuda_kernel, and says so.
 

@@ -197,7 +197,7 @@ class KVarNCache(BlockCache):
         """The fused kernel's call for this step, or None where `attend` takes another route. The answer is kept
         from the last step while what it was made from is the same: the route's inputs (`selfcheck.context`, the
         path), the queries' geometry, the arrays read (as objects), the recent tokens' 128-token tiles. Asking it
-        all again every step costs more host time than the launch itself (docs/gpu-performance.md)."""
+        all again every step costs more host time than the launch itself (docs/history/gpu-rounds.md)."""
         if self.body is None or not (mask is None or isinstance(mask, str)):
             return None
         n = self.recent_count
