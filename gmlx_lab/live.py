@@ -34,6 +34,7 @@ from .measure.audit import AuditReport, audit, fp16_equivalent
 from .measure.experiments import prefill
 from .measure.tradeoff import TradeoffPoint
 from .models import BUNDLED_NAME, available_models
+from .models.gemma3 import NAME as GEMMA_NAME
 from .policy import PromptCache, policy
 from .registry import BASELINE, get_scheme
 from .specs import spec_policy
@@ -42,7 +43,7 @@ __all__ = ["GEMMA", "TEMPERATURE", "LiveColumn", "LiveCompare", "holdings", "qua
            "shared_draw"]
 
 TEMPERATURE = 0.6  # the live compare's default sampling temperature (0: greedy)
-GEMMA = "gemma3-270m"
+GEMMA = GEMMA_NAME  # the model the live compare prefers on a GPU
 
 # memory_regions' token counts, as the live compare names them ("body" is what kvarn has sealed into records)
 REGION_NAMES = {"sink": "sink", "body": "records", "live": "live group", "tail": "tail"}

@@ -15,6 +15,7 @@ from ..records import record_bytes
 from . import plotlyjs
 from .capacity import capacity_figure
 from .code import Source, source
+from .example import EXAMPLE_MODEL, EXAMPLE_TOKENS, RunningExample, example_model, running_example
 from .field import SchemeIdea, field_kl_figure, field_passkey_figure, idea_figure, scheme_idea
 from .figures import (
     REGION_COLORS,
@@ -101,6 +102,7 @@ __all__ += ["context_ticks", "log_ticks"]
 __all__ += ["butterfly_slider", "capacity_figure", "normalize_slider", "regions_slider", "scale_spans",
             "slider_figure", "verdict_figure"]
 __all__ += ["plan_figure", "plan_slider", "plan_versus_uniform", "sensitivity_figure"]
+__all__ += ["EXAMPLE_MODEL", "EXAMPLE_TOKENS", "RunningExample", "example_model", "running_example"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
 
