@@ -12,8 +12,7 @@ of a scheme for you, and notebook 09).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,17 +21,6 @@ import numpy as np
 from .mlx_lm_hooks import register_cache_class, same_class
 
 BASELINE = "fp16"  # the scheme every policy falls back to, and the reference of fidelity and memory
-
-# The widths and group sizes the affine cache accepts (what mx.quantize takes): the cache and its scheme read
-# them, and they sit below both, so these constants live here.
-AFFINE_BITS = (2, 3, 4, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-
-
-def constructor_default(cls: type, name: str) -> Any:
-    """The default a cache class's constructor gives `name`: a scheme's Option takes it from there, so the cache
-    built by hand and the scheme built by name never disagree (one home for each default)."""
-    return inspect.signature(cls.__init__).parameters[name].default
 
 
 @dataclass(frozen=True)
@@ -63,6 +51,38 @@ class Option:
         return f"an int >= {self.minimum}"
 
 
+Rules = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]  # (values, given) -> values
+
+
+def check_options(options: tuple[Option, ...], values: Mapping[str, Any], scheme: str, where: str) -> None:
+    """Each of `values` against its Option in `options` (no defaults, no rules), the error naming `where`."""
+    known = {opt.name: opt for opt in options}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"{where}: {scheme} has no option {key!r}")
+        try:
+            known[key].check(value, scheme)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+
+def resolve_options(options: tuple[Option, ...], given: Mapping[str, Any], scheme: str, rules: Rules) -> dict[str, Any]:
+    """The values of `options`: the defaults, the given ones (None: the default), the rules between options, then
+    every value checked. The one resolution of a scheme's options, for the registry and for a cache built by hand."""
+    known = {opt.name for opt in options}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        accepted = ", ".join(sorted(known)) or "none"
+        raise ValueError(f"{scheme}: unknown option(s) {unknown}; accepted options: {accepted}")
+    values = {opt.name: opt.default for opt in options}
+    values.update({key: value for key, value in given.items() if value is not None})
+    values = rules(values, dict(given))
+    for opt in options:
+        if values[opt.name] is not None:
+            values[opt.name] = opt.check(values[opt.name], scheme)
+    return values
+
+
 @dataclass(frozen=True)
 class Scheme:
     """A named way to store a layer's K/V cache. Subclass it and override what your scheme does differently.
@@ -89,20 +109,7 @@ class Scheme:
 
     def resolve(self, **given: Any) -> dict[str, Any]:
         """Fill defaults, apply the scheme's own rules (`adjust`), and check every value."""
-        known = {opt.name for opt in self.options}
-        unknown = sorted(set(given) - known)
-        if unknown:
-            accepted = ", ".join(sorted(known)) or "none"
-            raise ValueError(f"{self.name}: unknown option(s) {unknown}; accepted options: {accepted}")
-        values = self.defaults()
-        for key, value in given.items():
-            if value is not None:
-                values[key] = value
-        values = self.adjust(values, given)
-        for opt in self.options:
-            if values[opt.name] is not None:
-                values[opt.name] = opt.check(values[opt.name], self.name)
-        return values
+        return resolve_options(self.options, given, self.name, self.adjust)
 
     def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
         """Rules between options (kvarn: K/V widths from `bits`, or the environment where no width is given);
@@ -113,16 +120,6 @@ class Scheme:
         """What the environment chose for these options, in words ('' for nothing: the default). Explicit options
         always beat the environment (kvarn: GMLX_KVARN_BITS sets the widths that are not given)."""
         return ""
-
-    def check(self, where: str, **values: Any) -> None:
-        """Check option values given to a cache constructor (no defaults, no environment), naming `where`."""
-        for key, value in values.items():
-            try:
-                self.option(key).check(value, self.name)
-            except KeyError:
-                raise ValueError(f"{where}: {self.name} has no option {key!r}") from None
-            except ValueError as err:
-                raise ValueError(f"{where}: {err}") from None
 
     # -- what the rest of gmlx_lab asks ---------------------------------------------------------------
     def make_cache(self, options: dict[str, Any], layer: int | None = None) -> Any:

@@ -219,19 +219,29 @@ def test_a_built_in_scheme_is_one_folder() -> None:
     assert order == folders
 
 
-def test_a_cache_and_its_scheme_share_their_defaults() -> None:
-    """A built-in cache built by hand and its scheme built by name agree on every default the constructor names."""
-    import inspect
-
+def test_a_cache_and_its_scheme_share_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A built-in cache built by hand and its scheme built by name agree on every option the class holds."""
     from gmlx_lab.registry import SCHEMES
 
+    monkeypatch.delenv("GMLX_KVARN_BITS", raising=False)
     for scheme in SCHEMES.values():
-        if scheme.cache_class is None or not scheme.cache_class.__module__.startswith("gmlx_lab."):
+        cls = scheme.cache_class
+        if cls is None or not cls.__module__.startswith("gmlx_lab.") or not getattr(cls, "OPTIONS", ()):
             continue
-        params = inspect.signature(scheme.cache_class.__init__).parameters
-        for option in scheme.options:
-            if option.name in params and option.default is not None:
-                assert params[option.name].default == option.default, (scheme.name, option.name)
-        if "k_bits" in params and "bits" in {o.name for o in scheme.options}:
-            bits = next(o.default for o in scheme.options if o.name == "bits")
-            assert params["k_bits"].default == params["v_bits"].default == bits, scheme.name
+        by_hand, by_name = cls(), scheme.make_cache(scheme.resolve())
+        for option in cls.OPTIONS:
+            assert getattr(by_hand, option.name) == getattr(by_name, option.name), (scheme.name, option.name)
+        assert by_hand.options == by_name.options, scheme.name
+
+
+def test_no_cache_asks_the_registry_about_itself() -> None:
+    """A cache module checks its options against its own class (`OPTIONS`): only the registry entries (scheme.py)
+    and the package that imports them look schemes up."""
+    cache = PACKAGE / "cache"
+    for path in sorted(cache.rglob("*.py")):
+        if path.name == "scheme.py" or path == cache / "__init__.py":
+            continue
+        names = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
+        names |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
+                  for a in n.names}
+        assert not names & {"SCHEMES", "get_scheme"}, path.relative_to(PACKAGE)

@@ -356,11 +356,12 @@ VALUES = [True, False, None, "4", 4.0, -5, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32
                                             ("kvarn", "k_bits"), ("kvarn", "v_bits"), ("kvarn", "kv_tail_tokens"),
                                             ("kvarn", "norm_iters")])
 def test_8_constructor_and_registry_accept_the_same_values(scheme, option):
-    """One place decides: for every value, the cache constructor accepts it exactly when the registry does."""
+    """One place decides: for every value, the cache constructor accepts it exactly when the registry does (None
+    is the default in both)."""
     make = {"affine": AffineCache, "affine_rot": AffineRotCache, "kvarn": KVarNCache}
     for value in VALUES:
         try:
-            get_scheme(scheme).option(option).check(value, scheme)
+            get_scheme(scheme).resolve(**{option: value})
             registry_ok = True
         except ValueError:
             registry_ok = False

@@ -61,7 +61,7 @@ import numpy as np
 from .. import window
 from ..records import KV
 from ..regions import block_regions, due_tokens
-from ..registry import SCHEMES, Scheme
+from ..registry import Option, Scheme, check_options
 from . import saved
 from .base import GmlxCache, array_bytes
 from .buffers import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
@@ -101,6 +101,14 @@ class BlockCache(GmlxCache):
     # True: a block is encoded once it had left the tail before the latest update arrived (kvarn: token by token,
     # one token after it leaves the tail); False: once it has left the tail and is older than the latest update
     tail_before_update = False
+    # The options this class takes: their defaults and accepted values, the one home of both (its BlockScheme
+    # offers them by name; a class that declares none takes its scheme's when the scheme is made)
+    OPTIONS: tuple[Option, ...] = ()
+
+    @classmethod
+    def complete(cls, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """Rules between options (e.g. K and V widths from `bits`), applied after the defaults; none by default."""
+        return values
 
     # -- what a scheme writes ------------------------------------------------------------------------
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
@@ -126,11 +134,10 @@ class BlockCache(GmlxCache):
             if clashes(name):
                 raise ValueError(f"{type(self).__name__}: option name {name!r} clashes with a BlockCache attribute")
             setattr(self, name, value)
-        scheme = SCHEMES.get(self.scheme)
-        if scheme is not None:  # the options' one check: the registered scheme's Options
-            scheme.check(self.where(), **options)
-        for name in GEOMETRY:  # geometry no Option covers: class attributes, or a class not registered yet
-            if scheme is None or name not in {opt.name for opt in scheme.options}:
+        if self.OPTIONS:  # the options' one check: the class's own Options
+            check_options(self.OPTIONS, options, self.scheme, self.where())
+        for name in GEOMETRY:  # geometry no Option covers: class attributes
+            if name not in {opt.name for opt in self.OPTIONS}:
                 check_geometry(name, getattr(self, name), self.where())
         self.options = dict(options)
         self.sink: KV | None = None  # K, V (B, H, <= sink_tokens, D) fp16
@@ -564,16 +571,26 @@ class BlockScheme(Scheme):
     the byte formula (encoding a block of zeros), the policy rule (can it encode these head dims?) and the audit."""
 
     def __post_init__(self) -> None:
+        """Check the class; the scheme offers the class's options (`OPTIONS`), or, where the class declares none
+        (a plug-in that names them here), gives the class these, so a cache built by hand checks them too."""
         cls = self.cache_class
         if not (isinstance(cls, type) and issubclass(cls, BlockCache)):
             raise TypeError(f"BlockScheme {self.name!r}: cache_class must be a BlockCache subclass, got {cls!r}")
         if cls.scheme != self.name:
             raise ValueError(f"BlockScheme {self.name!r}: {cls.__name__}.scheme is {cls.scheme!r}; "
                              "set `scheme = ...` in the class to the registered name")
+        if not self.options:
+            object.__setattr__(self, "options", cls.OPTIONS)
+        elif not cls.OPTIONS:
+            cls.OPTIONS = self.options
         for opt in self.options:
             if clashes(opt.name):
                 raise ValueError(f"BlockScheme {self.name!r}: option name {opt.name!r} clashes with a "
                                  "BlockCache attribute")
+
+    def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """The class's rules between options (`BlockCache.complete`)."""
+        return self.cache_class.complete(values, given)
 
     def cache_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """The options the class takes, from the resolved ones: all of them by default (a scheme whose `adjust`

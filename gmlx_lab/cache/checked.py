@@ -1,9 +1,10 @@
-"""A block cache whose options its registry entry checks and completes: the base of the field's schemes.
+"""A block cache that completes its options as its scheme does: the base of the built-in block schemes.
 
-`BlockCache` takes options as given; the built-in block schemes (turboquant, float, kivi) also want a cache
-built by hand (`KiviCache(bits=2)`) to refuse what the registry refuses, naming the layer, and to fill the
-registry's defaults, so a cache and its scheme never disagree about an option. A cache whose rotation turns
-its heads also refuses the head dims where that rotation cannot be undone (`gmlx_lab/rotation.py`).
+`BlockCache` checks the options it is given against its `OPTIONS`; a built-in cache built by hand
+(`KiviCache(bits=2)`, `KVarNCache(4, 4)`) also fills the defaults and applies the rules between options
+(`complete`), as the registry resolves a scheme's options, so a cache and its scheme never disagree about an
+option and neither asks the other. A cache whose rotation turns its heads also refuses the head dims where that
+rotation cannot be undone (`gmlx_lab/rotation.py`).
 """
 
 from __future__ import annotations
@@ -12,23 +13,22 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..registry import get_scheme
+from ..registry import resolve_options
 from ..rotation import rotation_problem
 from .block import GEOMETRY, BlockCache
 
 
 class CheckedBlockCache(BlockCache):
-    """Options checked by `Scheme.check` and `Scheme.resolve` (its rules between options too), defaults filled."""
+    """Options checked against `OPTIONS`, defaults filled and `complete` applied (`registry.resolve_options`)."""
 
     def __init__(self, layer: int | None = None, **options: Any):
+        options = {name: value for name, value in options.items() if value is not None}  # None: the default
         super().__init__(layer, **options)
-        scheme = get_scheme(self.scheme)
-        known = {opt.name for opt in scheme.options}
+        known = {opt.name for opt in self.OPTIONS}
         # the geometry a saved state passes back (block_tokens) is BlockCache's to check, not an option
         given = {name: value for name, value in options.items() if name in known or name not in GEOMETRY}
-        scheme.check(self.where(), **given)
         try:
-            values = scheme.resolve(**given)
+            values = resolve_options(self.OPTIONS, given, self.scheme, self.complete)
         except ValueError as err:
             raise ValueError(f"{self.where()}: {err}") from None
         for name, value in values.items():

@@ -17,6 +17,7 @@ from ..models import BUNDLED_NAME, available_models
 from ..models.gemma3 import NAME as EXAMPLE_MODEL
 from ..policy import Policy
 from ..records import SINK_TOKENS, TILE
+from ..registry import BASELINE
 from .quant import outlier_ratio
 
 EXAMPLE_TOKENS = 256  # tokens of the evaluation text each page captures
@@ -57,7 +58,7 @@ class RunningExample:
     def fate(self, pol: Policy) -> str:
         """What a policy does with the example's layer, in words."""
         d = pol.layers[self.layer]
-        kept = "is stored as " + pol.label if d.decision != "fp16" else f"stays fp16 ({d.reason})"
+        kept = "is stored as " + pol.label if d.decision != BASELINE else f"stays fp16 ({d.reason})"
         return f"Under {pol.label}, the running example's layer {self.layer} {kept}."
 
 

@@ -20,12 +20,15 @@ import mlx.core as mx
 from ... import window
 from ...kernels import SplitCounter, active_backend, affine_attend, affine_supported
 from ...records import KV
-from ...registry import GROUP_SIZES
+from ...registry import Option
 from ...rotation import rotation_problem
 from ..attention import apply_mask
 from ..base import array_bytes
-from ..block import BlockCache
 from ..buffers import STORE_DTYPE, GrowingBuffer
+from ..checked import CheckedBlockCache
+
+AFFINE_BITS = (2, 3, 4, 6, 8)  # the widths mx.quantize's affine mode packs
+GROUP_SIZES = (32, 64, 128)  # the group sizes it takes
 
 
 def group_problem(head_dim: int, group_size: int) -> str | None:
@@ -34,7 +37,7 @@ def group_problem(head_dim: int, group_size: int) -> str | None:
     return f"head_dim {head_dim} is not a multiple of group_size {group_size}" if head_dim % group_size else None
 
 
-class AffineCache(BlockCache):
+class AffineCache(CheckedBlockCache):
     """K/V quantized per token in groups; fp16 until `quantized_kv_start` tokens have arrived."""
 
     scheme = "affine"
@@ -42,9 +45,15 @@ class AffineCache(BlockCache):
     encode_on_arrival = True
     body_step = GrowingBuffer.STEP  # codes grow in steps of 256 tokens, as in mlx-lm
     KERNELS = ("affine_decode",)
+    OPTIONS = (
+        Option("bits", 8, "code width in bits", AFFINE_BITS),
+        Option("group_size", 64, "values per group sharing one fp16 scale and offset", GROUP_SIZES),
+        Option("quantized_kv_start", 0, "keep fp16 until the context reaches this many tokens"),
+    )
 
-    def __init__(self, bits: int = 8, group_size: int = 64, quantized_kv_start: int = 0, layer: int | None = None):
-        # the registered scheme's Options check these (BlockCache); they become self.bits, ...
+    def __init__(self, bits: int | None = None, group_size: int | None = None, quantized_kv_start: int | None = None,
+                 layer: int | None = None):
+        # None: the option's default (OPTIONS); checked and set as self.bits, ... (CheckedBlockCache)
         super().__init__(layer, bits=bits, group_size=group_size, quantized_kv_start=quantized_kv_start)
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
 

@@ -2,24 +2,16 @@
 Hadamard rotation (affine_rot, llama.cpp's attention rotation: llama.cpp Hadamard-rotates Q/K/V for every quantized KV
 cache type by default since April 2026, PR 21038, so affine_rot is that baseline). The caches are in `cache.py` beside
 this module, on the block base: the byte formula, the roundtrip and the audit come from the class (BlockScheme), as for
-a plug-in; this module names the options, the label and the policy rule."""
+a plug-in, and the options are the cache's (AffineCache.OPTIONS); this module names the label and the policy rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from ...registry import AFFINE_BITS, GROUP_SIZES, Option, constructor_default, register_scheme
+from ...registry import register_scheme
 from ..block import BlockScheme
 from .cache import AffineCache, AffineRotCache
-
-OPTIONS = (  # the defaults are the cache's own (AffineCache.__init__)
-    Option("bits", constructor_default(AffineCache, "bits"), "code width in bits", AFFINE_BITS),
-    Option("group_size", constructor_default(AffineCache, "group_size"),
-           "values per group sharing one fp16 scale and offset", GROUP_SIZES),
-    Option("quantized_kv_start", constructor_default(AffineCache, "quantized_kv_start"),
-           "keep fp16 until the context reaches this many tokens"),
-)
 
 
 @dataclass(frozen=True)
@@ -47,9 +39,9 @@ class AffineScheme(BlockScheme):
 
 
 AFFINE = register_scheme(AffineScheme(
-    "affine", "mlx-lm's grouped affine quantization of each token's K/V row (--kv-bits)", OPTIONS,
+    "affine", "mlx-lm's grouped affine quantization of each token's K/V row (--kv-bits)",
     cache_class=AffineCache, color="#1f77b4"))
 AFFINE_ROT = register_scheme(AffineScheme(
     "affine_rot", "affine after a per-head Hadamard rotation (llama.cpp's default for quantized KV since "
-    "April 2026, PR 21038)", OPTIONS,
+    "April 2026, PR 21038)",
     cache_class=AffineRotCache, color="#17becf"))

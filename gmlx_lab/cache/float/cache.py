@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ...registry import Option
 from ..checked import CheckedBlockCache
 
 FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group_size) -> mx.quantize mode
@@ -33,9 +34,26 @@ class FloatCache(CheckedBlockCache):
 
     scheme = "float"
     block_tokens = 32
+    OPTIONS = (
+        Option("bits", 4, "value width: 4 (E2M1) or 8 (E4M3)", (4, 8)),
+        Option("group_size", 32, "values sharing one 8-bit scale: 32 (mxfp4, mxfp8) or 16 (nvfp4)", (16, 32)),
+        Option("rotation", 0, "1: a per-head Hadamard rotation first (as affine_rot)", (0, 1)),
+        Option("kv_tail_tokens", 0, "newest tokens kept fp16"),
+        Option("sink_tokens", 0, "first tokens kept fp16"),
+    )
+
+    @classmethod
+    def complete(cls, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """nvfp4 is named by its group size alone (`float:g=16` means 4-bit values), and a (bits, group_size) pair
+        that is no format is refused, naming the formats."""
+        if given.get("group_size") == 16 and given.get("bits") is None:
+            values = {**values, "bits": 4}
+        if values["bits"] in (4, 8) and values["group_size"] in (16, 32):  # (else the option's own check says)
+            float_format(values["bits"], values["group_size"])
+        return values
 
     def __init__(self, layer: int | None = None, **options: Any):
-        super().__init__(layer, **options)  # the registry checks the (bits, group_size) pair (FloatScheme.adjust)
+        super().__init__(layer, **options)  # checked and completed (`complete`: the format's pair)
         self.mode = float_format(self.bits, self.group_size)
 
     def rotate(self, x: mx.array) -> mx.array:

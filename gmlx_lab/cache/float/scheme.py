@@ -10,31 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...registry import Option, register_scheme
+from ...registry import register_scheme
 from ..block import BlockScheme
 from ..options import with_sink
 from .cache import FORMATS, FloatCache, float_format
 
-OPTIONS = (
-    Option("bits", 4, "value width: 4 (E2M1) or 8 (E4M3)", (4, 8)),
-    Option("group_size", 32, "values sharing one 8-bit scale: 32 (mxfp4, mxfp8) or 16 (nvfp4)", (16, 32)),
-    Option("rotation", 0, "1: a per-head Hadamard rotation first (as affine_rot)", (0, 1)),
-    Option("kv_tail_tokens", 0, "newest tokens kept fp16"),
-    Option("sink_tokens", 0, "first tokens kept fp16"),
-)
-
 
 @dataclass(frozen=True)
 class FloatScheme(BlockScheme):
-    """One scheme, three formats: the label names the format."""
-
-    def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-        """nvfp4 is named by its group size alone: `float:g=16` means 4-bit values."""
-        if given.get("group_size") == 16 and given.get("bits") is None:
-            values = {**values, "bits": 4}
-        if values["bits"] in (4, 8) and values["group_size"] in (16, 32):  # (else the option's own check says)
-            float_format(values["bits"], values["group_size"])  # a pair that is no format: say which are
-        return values
+    """One scheme, three formats: the label names the format; the options are the class's (FloatCache.OPTIONS)."""
 
     def label(self, values: dict[str, Any]) -> str:
         """`mxfp4`, `nvfp4_rot`, `mxfp8 tail=128 sink=4`."""
@@ -50,4 +34,4 @@ class FloatScheme(BlockScheme):
 
 SCHEME = register_scheme(FloatScheme(
     "float", "microscaling floats per token (mxfp4, nvfp4, mxfp8 via mx.quantize), Hadamard rotation optional",
-    OPTIONS, cache_class=FloatCache, color="#e377c2"))
+    cache_class=FloatCache, color="#e377c2"))

@@ -40,6 +40,7 @@ from ...kernels import (
 )
 from ...records import (
     KV,
+    KVARN_BITS,
     KVARN_HEAD_DIMS,
     SINK_TOKENS,
     TILE,
@@ -49,15 +50,16 @@ from ...records import (
     encode_tokens,
     head_dim_problem,
 )
+from ...registry import Option
 from ..attention import grouped_attention, merge_partials
 from ..base import array_bytes
-from ..block import BlockCache
 from ..buffers import STORE_DTYPE
+from ..checked import CheckedBlockCache
 
 __all__ = ["KVarNCache", "SINK_TOKENS"]
 
 
-class KVarNCache(BlockCache):
+class KVarNCache(CheckedBlockCache):
     """kvarn: fp16 sink and recent tokens around a body of bit-packed, variance-normalized records."""
 
     scheme = "kvarn"
@@ -66,17 +68,25 @@ class KVarNCache(BlockCache):
     keep_newest_block = True
     tail_before_update = True
     KERNELS = ("kvarn_decode", "kvarn_seal", "kvarn_unpack")
+    OPTIONS = (
+        Option("k_bits", 6, "code width for K", KVARN_BITS),
+        Option("v_bits", 6, "code width for V", KVARN_BITS),
+        Option("kv_tail_tokens", 1024, "newest tokens kept in fp16"),
+        Option("norm_iters", 16, "variance-normalization rounds per record", minimum=0),
+        Option("head_dim_ext", 0, "1: also head dims 64 and 96, records of 128 tokens by the whole head (outside "
+               "gmlx's format; gmlx declines such layers)", (0, 1)),
+    )
 
     def __init__(
         self,
-        k_bits: int = 6,
-        v_bits: int = 6,
-        kv_tail_tokens: int = 1024,
-        norm_iters: int = 16,
+        k_bits: int | None = None,
+        v_bits: int | None = None,
+        kv_tail_tokens: int | None = None,
+        norm_iters: int | None = None,
         layer: int | None = None,
-        head_dim_ext: int = 0,
+        head_dim_ext: int | None = None,
     ):
-        # the registered scheme's Options check these (BlockCache); head_dim_ext 1: also head dims 64 and 96
+        # None: the option's default (OPTIONS); checked and set as self.k_bits, ... (CheckedBlockCache)
         super().__init__(layer, k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens, norm_iters=norm_iters,
                          head_dim_ext=head_dim_ext)
         self._prefix: tuple[Any, Any, KV] | None = None  # (body, sink, their decoded graph) for GPU decode steps

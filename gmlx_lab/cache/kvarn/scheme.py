@@ -13,21 +13,18 @@ from typing import Any
 
 from ... import records
 from ...records import KVARN_BITS, KVARN_EXT_HEAD_DIMS
-from ...registry import Option, constructor_default, register_scheme
+from ...registry import Option, register_scheme
 from ..block import BlockScheme
 from .cache import KVarNCache
 
 KVARN_BITS_ENV = "GMLX_KVARN_BITS"  # K and V widths, "6" or "k6v5", where no width is given
 
-OPTIONS = (  # the defaults are the cache's own (KVarNCache.__init__: one width for K and V)
-    Option("bits", constructor_default(KVarNCache, "k_bits"), "code width for K and V", KVARN_BITS),
+CACHE_OPTIONS = {opt.name: opt for opt in KVarNCache.OPTIONS}  # the cache's: their defaults are the scheme's
+OPTIONS = (
+    Option("bits", CACHE_OPTIONS["k_bits"].default, "code width for K and V", KVARN_BITS),
     Option("k_bits", None, "code width for K (default: bits)", KVARN_BITS),
     Option("v_bits", None, "code width for V (default: bits)", KVARN_BITS),
-    Option("kv_tail_tokens", constructor_default(KVarNCache, "kv_tail_tokens"), "newest tokens kept in fp16"),
-    Option("norm_iters", constructor_default(KVarNCache, "norm_iters"), "variance-normalization rounds per record",
-           minimum=0),
-    Option("head_dim_ext", constructor_default(KVarNCache, "head_dim_ext"), "1: also head dims 64 and 96, records "
-           "of 128 tokens by the whole head (outside gmlx's format; gmlx declines such layers)", (0, 1)),
+    CACHE_OPTIONS["kv_tail_tokens"], CACHE_OPTIONS["norm_iters"], CACHE_OPTIONS["head_dim_ext"],
 )
 
 

@@ -11,28 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...registry import Option, register_scheme
+from ...registry import register_scheme
 from ..block import BlockScheme
-from ..options import split_widths, with_sink
-from .cache import TURBOQUANT_BITS, TurboQuantCache
-
-OPTIONS = (
-    Option("bits", 4, "code width for K and V", TURBOQUANT_BITS),
-    Option("k_bits", None, "code width for K (default: bits)", TURBOQUANT_BITS),
-    Option("v_bits", None, "code width for V (default: bits)", TURBOQUANT_BITS),
-    Option("qjl", 0, "1: K spends one bit on the QJL sign sketch of its residual (unbiased q.k)", (0, 1)),
-    Option("kv_tail_tokens", 0, "newest tokens kept fp16"),
-    Option("sink_tokens", 0, "first tokens kept fp16"),
-    Option("seed", 0, "seed of the rotation's signs and of the QJL projection"),
-)
+from ..options import with_sink
+from .cache import TurboQuantCache
 
 
 @dataclass(frozen=True)
 class TurboQuantScheme(BlockScheme):
-    """K and V widths apart, as vLLM's presets (`turboquant:k3v4` is 3.5 bits a value)."""
-
-    def adjust(self, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-        return split_widths(values, given)
+    """K and V widths apart, as vLLM's presets (`turboquant:k3v4` is 3.5 bits a value); the options are the
+    class's (TurboQuantCache.OPTIONS)."""
 
     def label(self, values: dict[str, Any]) -> str:
         """`turboquant4`, `turboquant k3v4 qjl tail=128 sink=4` (the tail only when there is one)."""
@@ -45,4 +33,4 @@ class TurboQuantScheme(BlockScheme):
 
 SCHEME = register_scheme(TurboQuantScheme(
     "turboquant", "TurboQuant: randomized Hadamard rotation, Lloyd-Max codes per coordinate, fp16 norms, "
-    "optional QJL residual for K", OPTIONS, cache_class=TurboQuantCache, color="#d62728"))
+    "optional QJL residual for K", cache_class=TurboQuantCache, color="#d62728"))
