@@ -313,6 +313,16 @@ def test_policy_strip_rows_are_distinct() -> None:
     assert len(set(names)) == 2 and "kvarn" in names[0] and "affine" in names[1]
 
 
+def test_policy_strip_colour_bar_lists_only_what_is_drawn() -> None:
+    """Each colour of the bar is a decision some cell shows; the policy's own fp16 says why it is fp16."""
+    model = specimen("llama")
+    fig = viz.policy_strip([gmlx_lab.policy(model, "kvarn"), gmlx_lab.policy(model, "affine")])
+    heat = fig.data[0]
+    shown = {v for row in heat.z for v in row if v is not None}
+    assert shown == set(range(len(heat.colorbar.ticktext)))
+    assert set(heat.colorbar.ticktext) == {"kvarn", "affine", "fp16: the policy keeps it"}  # the last layer
+
+
 def test_checker_flags_automatic_and_too_sparse_log_ticks() -> None:
     fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[0.03, 0.05, 0.4]))
     fig.update_layout(xaxis_title="x", yaxis_title="y", yaxis_type="log")

@@ -439,6 +439,7 @@ def sink_layers_figure(mass: np.ndarray, sink: int = 1, even: float | None = Non
 # fp16 cells of a policy strip, told apart: the scheme's layers, the rule's fp16 layers and these two
 STILL_LAYER = ("fp16: does not grow", "#e3e3e3")  # recurrent state, a sliding window: nothing to quantize
 DECLINED_LAYER = ("fp16: the scheme declines", "#3d3d3d")  # grows, but the scheme cannot store it (MLA, head dim)
+KEPT_LAYER = "fp16: the policy keeps it"  # grows, and the scheme could store it: the policy's rule or an override
 
 
 def _strip_category(p: Policy, d: Any) -> str:
@@ -460,7 +461,9 @@ def policy_strip(policies: list[Policy], title: str | None = None) -> go.Figure:
     one the scheme declines (dark).
     """
     colors = {**scheme_colors(), STILL_LAYER[0]: STILL_LAYER[1], DECLINED_LAYER[0]: DECLINED_LAYER[1]}
-    order = list(colors)
+    drawn = {_strip_category(p, d) for p in policies for d in p.layers}
+    order = [name for name in colors if name in drawn]  # the colour bar lists only what the strip shows
+    ticks = [KEPT_LAYER if name == BASELINE else name for name in order]
     n = max(len(p.layers) for p in policies)
     z, text, names = [], [], []
     for p in policies:
@@ -479,7 +482,7 @@ def policy_strip(policies: list[Policy], title: str | None = None) -> go.Figure:
                height=max(300, 140 + 36 * len(policies)))  # room for the colour bar's six labels
     fig.add_heatmap(z=z, text=text, hoverinfo="text", y=names, colorscale=scale, zmin=-0.5,
                     zmax=len(order) - 0.5, xgap=2, ygap=2,
-                    colorbar={"tickvals": list(range(len(order))), "ticktext": order, "title": "decision"})
+                    colorbar={"tickvals": list(range(len(order))), "ticktext": ticks, "title": "decision"})
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(dtick=1 if n <= 40 else None)
     return fig
