@@ -56,7 +56,7 @@ def holdings(cache: PromptCache) -> dict[str, int]:
     chosen = cache.policy
     for c, d in zip(cache, chosen.layers):
         if d.decision != BASELINE:
-            regions, counts = get_scheme(d.decision).memory_regions(c)
+            regions, counts = c.memory_regions()
             if counts is not None:
                 return {REGION_NAMES.get(k, k): int(v) for k, v in counts.items()}
             resident = sum(regions.values())  # every region spans every token: all codes, or all still fp16

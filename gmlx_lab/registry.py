@@ -176,13 +176,6 @@ class Scheme:
         """(what is wrong with this cache of the scheme, '' if nothing; whether it should hold codes by now)."""
         return "", False
 
-    def memory_regions(self, cache: Any) -> tuple[dict[str, int], dict[str, int] | None]:
-        """(resident bytes by region, reserve excluded; tokens by region, or None when every region spans
-        every token, e.g. codes and their scales)."""
-        regions = dict(cache.regions())
-        regions.pop("reserve", None)
-        return regions, None
-
     def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
         """`x` (tokens, head_dim) stored and read back the way the scheme's cache does (for error plots)."""
         raise NotImplementedError(f"scheme {self.name} has no roundtrip")

@@ -330,6 +330,13 @@ class GmlxCache(_BaseCache):
     def nbytes(self) -> int:
         return sum(self.regions().values())
 
+    def memory_regions(self) -> tuple[dict[str, int], dict[str, int] | None]:
+        """For the memory report: (resident bytes by region, reserve excluded; tokens by region, or None when every
+        region spans every token, e.g. codes and their scales)."""
+        regions = dict(self.regions())
+        regions.pop("reserve", None)
+        return regions, None
+
     def check_trim(self, n: int, limit: int, why: str) -> int:
         """Validate a trim request of n tokens against what can be rolled back; the trimmed tokens leave the
         finiteness queue (a rejected draft's K/V are never checked, nor blamed)."""

@@ -418,6 +418,10 @@ class BlockCache(GmlxCache):
             + (0 if self.rollback is None else array_bytes(*self.rollback)),
         }
 
+    def memory_regions(self) -> tuple[dict[str, int], dict[str, int] | None]:
+        """The regions without the reserve, and the tokens each holds (`region_tokens`)."""
+        return super().memory_regions()[0], self.region_tokens()
+
     def __deepcopy__(self, memo: dict) -> BlockCache:
         """An independent copy (GmlxCache.__deepcopy__) that can still restore its newest block."""
         new = super().__deepcopy__(memo)
@@ -634,11 +638,6 @@ class BlockScheme(Scheme):
         """Tokens the cache should hold encoded by now: the geometry's body, less what a rolling window dropped."""
         return block_regions(cache.offset, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens,
                              cache.newest, cache.tail_before_update)["body"] - cache.dropped
-
-    def memory_regions(self, cache: BlockCache) -> tuple[dict[str, int], dict[str, int] | None]:
-        regions = cache.regions()
-        regions.pop("reserve")
-        return regions, cache.region_tokens()
 
     def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
         """(tokens, D) through the class's encode and decode (tokens a multiple of block_tokens)."""

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from ..cache import FP16Cache, GmlxCache
 from ..policy import PromptCache, policy
-from ..registry import BASELINE, get_scheme
+from ..registry import BASELINE
 from ..specs import SchemeLike, spec_policy
 from .audit import fp16_equivalent
 
@@ -143,7 +143,7 @@ def _layer_memory(cache: Any, d: Any) -> LayerMemory:
         return LayerMemory(d.index, d.decision, tokens, {"native": cache.nbytes}, {"native": tokens},
                            {"native": cache.nbytes}, 0)
     reserve = cache.regions().get("reserve", 0)
-    regions, counts = get_scheme(cache.scheme).memory_regions(cache)
+    regions, counts = cache.memory_regions()
     spans_all = counts is None  # every region spans every token (codes and their scales)
     if spans_all:
         counts = {name: kept for name in regions}

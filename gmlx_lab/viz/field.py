@@ -67,7 +67,7 @@ def scheme_idea(k: np.ndarray, v: np.ndarray, spec: str) -> SchemeIdea:
     keys, _ = cache.update_and_fetch(kx[:, :, -1:], vx[:, :, -1:])
     stored = np.array(kx[0, 0].astype(mx.float32))
     back = np.array(keys[0, 0, :tokens].astype(mx.float32))
-    resident, regions = scheme.memory_regions(cache)  # growth reserve excluded
+    resident, regions = cache.memory_regions()  # growth reserve excluded
     return SchemeIdea(spec, scheme_label(name, options), scheme.summary, stored, np.abs(back - stored), regions,
                       sum(resident.values()) / tokens)
 

@@ -181,6 +181,10 @@ class AffineCache(CheckedBlockCache):
         codes = array_bytes(self.body.k[0], self.body.v[0])
         return {"codes": codes, "scales": r["body"] - codes, "reserve": r["reserve"]}
 
+    def memory_regions(self) -> tuple[dict[str, int], dict[str, int] | None]:
+        """Codes and scales (or the fp16 tokens), reserve excluded; each spans every token."""
+        return super().memory_regions()[0], None
+
 
 class AffineRotCache(AffineCache):
     """affine after a per-head Hadamard rotation, applied as the tokens arrive (llama.cpp's attention rotation)."""

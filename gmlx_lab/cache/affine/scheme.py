@@ -31,12 +31,6 @@ class AffineScheme(BlockScheme):
         """None before `quantized_kv_start` tokens have arrived (fp16 until then), else every token held."""
         return super().encoded_tokens(cache) if cache.offset >= cache.quantized_kv_start else 0
 
-    def memory_regions(self, cache: AffineCache) -> tuple[dict[str, int], dict[str, int] | None]:
-        """Codes and scales (or the fp16 tokens), reserve excluded; each spans every token."""
-        regions = cache.regions()
-        regions.pop("reserve")
-        return regions, None
-
 
 AFFINE = register_scheme(AffineScheme(
     "affine", "mlx-lm's grouped affine quantization of each token's K/V row (--kv-bits)",

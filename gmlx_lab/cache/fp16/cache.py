@@ -58,6 +58,10 @@ class FP16Cache(GmlxCache):
         used = total * self.held // cap if cap else 0
         return {"tokens": used, "reserve": total - used}
 
+    def memory_regions(self) -> tuple[dict[str, int], dict[str, int] | None]:
+        """Every token fp16: one region."""
+        return {"fp16": self.regions()["tokens"]}, None
+
     def stored_tokens(self) -> list[tuple[str, str, mx.array]]:
         if not self.held:
             return []

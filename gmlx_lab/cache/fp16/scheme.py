@@ -27,9 +27,6 @@ class FP16Scheme(Scheme):
         """2 bytes per value: kv_heads * tokens * (dk + dv) * 2."""
         return kv_heads * tokens * (k_dim + v_dim) * 2.0
 
-    def memory_regions(self, cache: Any) -> tuple[dict[str, int], dict[str, int] | None]:
-        return {"fp16": cache.regions()["tokens"]}, None
-
     def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
         return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
 

@@ -257,6 +257,14 @@ class KVarNCache(CheckedBlockCache):
             raise IndexError(f"{self.where()}: record {index} does not exist ({self.n_records} sealed)")
         return getattr(self.records, kind).take((batch, head, index, slice_))
 
+    def memory_regions(self) -> tuple[dict[str, int], dict[str, int] | None]:
+        """The records' codes and scales as one region, "body", beside the fp16 sink, live group and tail (the
+        regions whose tokens `region_tokens` counts)."""
+        r = self.regions()
+        regions = {"sink": r["sink"], "body": r["record_codes"] + r["record_scales"], "live": r["live"],
+                   "tail": r["tail"]}
+        return regions, self.region_tokens()
+
     def regions(self) -> dict[str, int]:
         """The base's regions, the body split into the records' codes and their scales (the axis vectors)."""
         r = super().regions()

@@ -117,13 +117,6 @@ class KvarnScheme(BlockScheme):
                 return name
         raise ValueError(f"position {position} is outside a cache of {tokens} tokens")
 
-    def memory_regions(self, cache: KVarNCache) -> tuple[dict[str, int], dict[str, int] | None]:
-        """The records' codes and scales as one region, "body", beside the fp16 sink, live group and tail."""
-        r = cache.regions()
-        regions = {"sink": r["sink"], "body": r["record_codes"] + r["record_scales"], "live": r["live"],
-                   "tail": r["tail"]}
-        return regions, cache.region_tokens()
-
 
 SCHEME = register_scheme(KvarnScheme(
     "kvarn", "Hadamard rotation + variance-normalized 128x128 records, fp16 sink and tail (KVarN)", OPTIONS,
