@@ -162,10 +162,10 @@ def test_the_published_results_ship_with_the_package() -> None:
 
 def test_result_files_are_named_by_machine() -> None:
     """Every committed result says where it ran at the end of its name, as gmlx_lab.doctor.machine_tag gives it
-    (-cpu: MLX's CPU backend; -h200: the NVIDIA H200; -apple-...: a Mac), in subfolders too (benchmarks/field.py's
-    pieces under field/)."""
+    (-cpu: MLX's CPU backend; -h200: the NVIDIA H200; -h100-80gb-hbm3: the NVIDIA H100; -apple-...: a Mac), in
+    subfolders too (benchmarks/field.py's pieces under field/)."""
     results = PACKAGE.parent / "benchmarks" / "results"
-    named = re.compile(r".*-(cpu|h200|apple-[a-z0-9-]+)")
+    named = re.compile(r".*-(cpu|h200|h100-80gb-hbm3|apple-[a-z0-9-]+)")
     assert [str(p.relative_to(results)) for p in results.rglob("*.json") if not named.fullmatch(p.stem)] == []
 
 
