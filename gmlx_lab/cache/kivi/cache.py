@@ -10,14 +10,12 @@ offsets fp16. The block base keeps the newest `kv_tail_tokens` tokens (default 1
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
 from ...registry import Option
 from ..buffers import STORE_DTYPE
 from ..checked import CheckedBlockCache
-from ..options import split_widths
+from ..options import split_widths, width_options
 
 V_GROUP = 32  # channels of a V token sharing one scale and offset (KIVI's group size)
 KIVI_BITS = (2, 3, 4, 5, 6, 8)  # the widths mx.quantize's affine mode packs
@@ -29,17 +27,11 @@ class KiviCache(CheckedBlockCache):
     scheme = "kivi"
     block_tokens = 32  # the tokens a K channel's scale and offset span (KIVI's group size)
     OPTIONS = (
-        Option("bits", 2, "code width for K and V", KIVI_BITS),
-        Option("k_bits", None, "code width for K (default: bits)", KIVI_BITS),
-        Option("v_bits", None, "code width for V (default: bits)", KIVI_BITS),
+        *width_options(2, KIVI_BITS),
         Option("kv_tail_tokens", 128, "newest tokens kept fp16 (HF's residual_length)"),
         Option("sink_tokens", 0, "first tokens kept fp16"),
     )
-
-    @classmethod
-    def complete(cls, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-        """K and V widths apart (`kivi:k2v4`), each `bits` unless given."""
-        return split_widths(values, given)
+    complete = staticmethod(split_widths)  # K and V widths apart (`kivi:k2v4`), each `bits` unless given
 
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array, mx.array]:
         """K: each channel across the block's tokens (one group); V: each token in groups of 32 channels."""

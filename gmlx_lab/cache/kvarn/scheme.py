@@ -13,17 +13,16 @@ from typing import Any
 
 from ... import records
 from ...records import KVARN_BITS, KVARN_EXT_HEAD_DIMS
-from ...registry import Option, register_scheme
+from ...registry import register_scheme
 from ..block import BlockScheme
+from ..options import width_options
 from .cache import KVarNCache
 
 KVARN_BITS_ENV = "GMLX_KVARN_BITS"  # K and V widths, "6" or "k6v5", where no width is given
 
 CACHE_OPTIONS = {opt.name: opt for opt in KVarNCache.OPTIONS}  # the cache's: their defaults are the scheme's
 OPTIONS = (
-    Option("bits", CACHE_OPTIONS["k_bits"].default, "code width for K and V", KVARN_BITS),
-    Option("k_bits", None, "code width for K (default: bits)", KVARN_BITS),
-    Option("v_bits", None, "code width for V (default: bits)", KVARN_BITS),
+    *width_options(CACHE_OPTIONS["k_bits"].default, KVARN_BITS),
     CACHE_OPTIONS["kv_tail_tokens"], CACHE_OPTIONS["norm_iters"], CACHE_OPTIONS["head_dim_ext"],
 )
 

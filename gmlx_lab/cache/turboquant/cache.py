@@ -28,7 +28,7 @@ import numpy as np
 from ...registry import Option
 from ..buffers import STORE_DTYPE
 from ..checked import CheckedBlockCache
-from ..options import split_widths
+from ..options import split_widths, width_options
 
 TURBOQUANT_BITS = (2, 3, 4, 8)
 
@@ -136,19 +136,13 @@ class TurboQuantCache(CheckedBlockCache):
     scheme = "turboquant"
     block_tokens = 32
     OPTIONS = (
-        Option("bits", 4, "code width for K and V", TURBOQUANT_BITS),
-        Option("k_bits", None, "code width for K (default: bits)", TURBOQUANT_BITS),
-        Option("v_bits", None, "code width for V (default: bits)", TURBOQUANT_BITS),
+        *width_options(4, TURBOQUANT_BITS),
         Option("qjl", 0, "1: K spends one bit on the QJL sign sketch of its residual (unbiased q.k)", (0, 1)),
         Option("kv_tail_tokens", 0, "newest tokens kept fp16"),
         Option("sink_tokens", 0, "first tokens kept fp16"),
         Option("seed", 0, "seed of the rotation's signs and of the QJL projection"),
     )
-
-    @classmethod
-    def complete(cls, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-        """K and V widths apart, each `bits` unless given."""
-        return split_widths(values, given)
+    complete = staticmethod(split_widths)  # K and V widths apart, each `bits` unless given
 
     def __init__(self, layer: int | None = None, **options: Any):
         super().__init__(layer, **options)
