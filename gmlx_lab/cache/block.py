@@ -297,6 +297,9 @@ class BlockCache(GmlxCache):
         new = KV(*(self._encode_blocks(self._to_encode(x), kind) for x, kind in zip(stored, "kv")))
         if self.keep_newest_block:
             self.rollback = KV(*(mx.contiguous(x[:, :, x.shape[2] - self.block_tokens:]) for x in stored))
+            # the copy is computed with the body: left lazy, it would keep alive the whole fp16 buffer it is cut
+            # from (every layer's previous recent tokens) until the next encode
+            new = KV(*(tuple(mx.depends(list(parts), list(self.rollback))) for parts in new))
         if self.body_buffers is None:
             self.body_buffers = KV(*(tuple(GrowingBuffer(p.dtype, step=self.body_step) for p in parts)
                                      for parts in new))
