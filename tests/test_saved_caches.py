@@ -101,10 +101,8 @@ def _poison(cache, region: str, kind: str) -> None:
     elif region == "sink":
         cache.sink = _swap(cache.sink, i, _with_nan(cache.sink[i]))
     elif region == "blocks":
-        parts = list(cache.body[i])
-        j = next(n for n, p in enumerate(parts) if p.dtype == mx.float16)
-        parts[j] = _with_nan(parts[j])
-        cache.body = _swap(cache.body, i, tuple(parts))
+        buf = next(b for b in cache.body_buffers[i] if b.dtype == mx.float16)  # the blocks' buffers hold them
+        buf.data = _with_nan(buf.data)  # element 0, in the first block; `body` is made from the buffers when read
     elif region == "newest block's fp16 copy":
         cache.rollback = _swap(cache.rollback, i, _with_nan(cache.rollback[i]))
     else:

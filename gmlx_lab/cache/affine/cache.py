@@ -60,11 +60,24 @@ class AffineCache(CheckedBlockCache):
     # -- what a block scheme writes ------------------------------------------------------------------------
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array, mx.array]:
         """Tokens (B, H, 1, D) -> codes, scales, biases (B, H, ...): mx.quantize in groups of `group_size`."""
-        return tuple(p[:, :, 0] for p in mx.quantize(x.astype(STORE_DTYPE), group_size=self.group_size,
-                                                     bits=self.bits))
+        return tuple(p[:, :, 0] for p in self._encode_blocks(x, kind))
 
     def decode(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
-        return self.dequantize([p[:, :, None] for p in parts], mx.float32)
+        return self._decode_blocks(tuple(p[:, :, None] for p in parts), kind)
+
+    def _encode_blocks(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
+        """Rows (B, H, t, D) -> codes, scales, biases (B, H, t, ...) in one `mx.quantize` of the fp16 values: with
+        one-token blocks the base's reshapes around `encode` are no-ops, and a decode step would build them anyway."""
+        return tuple(mx.quantize(x if x.dtype == STORE_DTYPE else x.astype(STORE_DTYPE), group_size=self.group_size,
+                                 bits=self.bits))
+
+    def _decode_blocks(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
+        return self.dequantize(list(parts), mx.float32)
+
+    def _to_encode(self, stored: mx.array) -> mx.array:
+        """The stored fp16 tokens as they are (rotated on arrival for affine_rot): mx.quantize reads fp16 values,
+        so the base's float32 copy would only be cast back."""
+        return stored
 
     def dequantize(self, parts: list[mx.array], dtype: mx.Dtype) -> mx.array:
         """Codes, scales, biases back to values of `dtype` (the scales cast to it first, as mlx-lm does)."""
@@ -98,7 +111,7 @@ class AffineCache(CheckedBlockCache):
     @property
     def quantized(self) -> bool:
         """Whether the tokens are codes yet (False before `quantized_kv_start`)."""
-        return self.body is not None
+        return self.held_blocks > 0
 
     def stored(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Stored K/V (rotated for affine_rot) as arrays of `dtype`, decoded if quantized: the tokens are all codes
