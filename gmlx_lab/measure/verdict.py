@@ -295,7 +295,8 @@ class SpeedRatio:
     model: str
 
     def text(self) -> str:
-        span = f"{self.low:.2f}x" if abs(self.high - self.low) < 0.005 else f"{self.low:.2f}-{self.high:.2f}x"
+        low, high = f"{self.low:.2f}", f"{self.high:.2f}"
+        span = f"{low}x" if low == high else f"{low}-{high}x"
         where = ", ".join(context_label(c) for c in sorted(set(self.contexts)))
         name = "gmlx's fp16 cache" if self.label == BASELINE else self.label
         return (f"{name}: {span} the decode speed of mlx-lm's fp16 KVCache, {self.model} on the {self.machine} "
