@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", type=int, choices=(16, 8, 4), default=4)
     parser.add_argument("--grid", default="1x8192,1x32768,4x8192,4x32768,16x8192")
     parser.add_argument("--schemes", default=GRID_SCHEMES)
+    parser.add_argument("--reference", default="", help="grid schemes to run again on the reference attention path "
+                        "(decode the cache, then MLX's SDPA), side by side with their fused rows")
     parser.add_argument("--capacity-schemes", default=CAPACITY_SCHEMES, help="'' for no capacity run")
     parser.add_argument("--capacity-context", type=int, default=32768)
     parser.add_argument("--budget-gb", type=float, default=80.0, help="cache bytes allowed in the capacity run")
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     extra = tuple(MLX_LM_SCHEMES)
     specs = scheme_list(args.schemes, extra=extra)
+    specs += [f"{s}_reference" for s in (scheme_list(args.reference) if args.reference else [])]
     cap_specs = scheme_list(args.capacity_schemes, extra=extra) if args.capacity_schemes else []
     t0 = time.perf_counter()
     model = shaped_model(args.shape, args.weights, args.seed)

@@ -25,13 +25,15 @@ For each context, every scheme side by side, each with a fresh cache (all kept u
 Schemes: `mlx_lm_fp16` (mlx-lm's `KVCache`), `mlx_lm_affine8`/`mlx_lm_affine4` (mlx-lm's `QuantizedKVCache`,
 group 64; a failure, e.g. its CUDA prefill, is recorded in the row), and any gmlx_lab scheme spec (`fp16`,
 `affine8`, `kvarn6`, `kvarn4:tail=128`, ...; registry defaults otherwise). Ratios are to `mlx_lm_fp16` of the
-same context and weights. A short warm-up per scheme (compiles the kernels) is not reported. `--unchecked`
-adds rows (scheme name + "_unchecked") with the caches' finiteness check of arriving K/V switched off, so its
-cost is measured side by side. `--probes kvarn6/lean-fetch,kvarn6/all,...` (GPU only) adds what-if rows: each
-probe removes one piece of a fused decode step's host work (PROBES), so its row bounds what removing that piece
-for real would gain; a probe's attention output is wrong, only its timing is read (except `one-launch` /
-`two-launch`, the split kernels merging their own splits on CUDA or not, and `ring-on` / `ring-off`, kvarn_decode's
-ring whatever the record count says: the kernel settings of kernels/config.py, whose outputs are right).
+same context and weights. A short warm-up per scheme (compiles the kernels) is not reported. `--unchecked` adds
+rows (scheme name + "_unchecked") with the caches' finiteness check of arriving K/V switched off, so its cost is
+measured side by side; `--reference` adds rows (+ "_reference") that attend on the reference path (decode the
+cache, then MLX's SDPA) instead of the fused kernel, so the two paths run side by side. `--probes kvarn6/lean-
+fetch,kvarn6/all,...` (GPU only) adds what-if rows: each probe removes one piece of a fused decode step's host
+work (PROBES), so its row bounds what removing that piece for real would gain; a probe's attention output is
+wrong, only its timing is read (except `one-launch` / `two-launch`, the split kernels merging their own splits on
+CUDA or not, and `ring-on` / `ring-off`, kvarn_decode's ring whatever the record count says: the kernel settings
+of kernels/config.py, whose outputs are right).
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
 `nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
@@ -122,14 +124,20 @@ def context_tokens(tokenizer: Any, model: nn.Module, n: int, source: str, seed: 
     return mx.array((ids * (n // len(ids) + 1))[:n], dtype=mx.uint32)
 
 
+# spec suffixes that set one switch on every gmlx_lab cache: (attribute, value, what the label adds)
+SWITCHES = {"_unchecked": ("check_finite_on", False, ", finiteness check off"),
+            "_reference": ("attention_path", "reference", ", reference path (dequantize, then SDPA)")}
+
+
 def new_cache(model: nn.Module, spec: str) -> tuple[Any, str]:
-    """(prompt cache, label) for an mlx-lm scheme name or a gmlx_lab scheme spec (+ "_unchecked")."""
-    if spec.endswith("_unchecked"):
-        cache, label = new_cache(model, spec.removesuffix("_unchecked"))
-        for c in cache:
-            if isinstance(c, GmlxCache):
-                c.check_finite_on = False
-        return cache, label + ", finiteness check off"
+    """(prompt cache, label) for an mlx-lm scheme name or a gmlx_lab scheme spec (+ a suffix of SWITCHES)."""
+    for suffix, (name, value, words) in SWITCHES.items():
+        if spec.endswith(suffix):
+            cache, label = new_cache(model, spec.removesuffix(suffix))
+            for c in cache:
+                if isinstance(c, GmlxCache):
+                    setattr(c, name, value)
+            return cache, label + words
     if spec in MLX_LM_SCHEMES:
         bits = MLX_LM_SCHEMES[spec]
         if bits is None:
@@ -381,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-steps", type=int, default=16)
     parser.add_argument("--prefill-step", type=int, default=2048)
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many decode tokens per row")
+    parser.add_argument("--reference", default="", help="schemes to run again on the reference attention path")
     parser.add_argument("--unchecked", default="", help="schemes to run again with the finiteness check off")
     parser.add_argument("--probes", default="", help="what-if rows on a GPU: SCHEME/PROBE[+PROBE] or SCHEME/all, "
                         f"comma-separated; probes: {', '.join(PROBES)}")
@@ -400,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         source = "text"
     specs = scheme_list(args.schemes or DEFAULT_SCHEMES["cpu" if active_backend() == "cpu" else "gpu"],
                         extra=tuple(MLX_LM_SCHEMES))
-    specs += [f"{s}_unchecked" for s in (scheme_list(args.unchecked) if args.unchecked else [])]
+    for suffix, given in (("_unchecked", args.unchecked), ("_reference", args.reference)):
+        specs += [f"{s}{suffix}" for s in (scheme_list(given) if given else [])]
     if args.probes:
         if active_backend() == "cpu":
             parser.error("--probes change the fused GPU path; MLX runs on the CPU here")
