@@ -180,18 +180,6 @@ class Scheme:
         """`x` (tokens, head_dim) stored and read back the way the scheme's cache does (for error plots)."""
         raise NotImplementedError(f"scheme {self.name} has no roundtrip")
 
-    def widget_options(self, k_bits: int, v_bits: int, tail: int) -> dict[str, Any]:
-        """The live-compare widget's K width, V width and tail as this scheme's options."""
-        names = {opt.name for opt in self.options}
-        out: dict[str, Any] = {}
-        if {"k_bits", "v_bits"} <= names:
-            out.update(k_bits=k_bits, v_bits=v_bits)
-        elif "bits" in names:
-            out["bits"] = k_bits  # one width for both: the K width
-        if "kv_tail_tokens" in names:
-            out["kv_tail_tokens"] = tail
-        return out
-
 
 def _width(values: Mapping[str, Any]) -> str:
     kb, vb = values.get("k_bits"), values.get("v_bits")

@@ -252,8 +252,17 @@ class CompareApp:
         return [n for n, t in self.schemes.items() if t.value]
 
     def options(self, name: str) -> dict[str, Any]:
-        """A scheme's options from the controls (`Scheme.widget_options`: one width uses the K width)."""
-        return get_scheme(name).widget_options(self.k_bits.value, self.v_bits.value, self.tail.value)
+        """A scheme's options from the controls, for the options it has: K and V widths, or one width (the K
+        width's), and the tail."""
+        names = {opt.name for opt in get_scheme(name).options}
+        out: dict[str, Any] = {}
+        if {"k_bits", "v_bits"} <= names:
+            out.update(k_bits=self.k_bits.value, v_bits=self.v_bits.value)
+        elif "bits" in names:
+            out["bits"] = self.k_bits.value
+        if "kv_tail_tokens" in names:
+            out["kv_tail_tokens"] = self.tail.value
+        return out
 
     def update_controls(self) -> None:
         """Enable each control only where a chosen scheme has the option it sets; say which schemes it sets."""
