@@ -112,6 +112,9 @@ def test_widget_builders(model):
                           schemes=["fp16", "affine", "toy"])
     assert app.chosen() == ["affine", "toy"]  # fp16 is always there: the reference column
     assert app.options("toy") == {"bits": 4, "kv_tail_tokens": 0}  # the K width (4) and the tail control (0)
+    app.linked.value, app.v_bits.value = False, 6
+    assert app.options("kvarn") == {"k_bits": 4, "v_bits": 6, "kv_tail_tokens": 0}  # K and V widths apart
+    assert app.options("affine") == {"bits": 4}  # one width (the K width's), no tail option
     assert [c.label for c in app.live.columns] == ["fp16", "affine4 g64", "toy4 tail=0"]
     assert "tokens/s" in app.stats.value and not app.tail.disabled  # toy has a tail
     app.k_bits.value = 2  # toy takes 4 or 8: the app says so and runs the others
