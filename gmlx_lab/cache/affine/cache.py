@@ -136,8 +136,8 @@ class AffineCache(CheckedBlockCache):
         return KV(k, v)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        """Attention from the codes: the fused split-K kernel on a GPU, else two `mx.quantized_matmul` (or, for a
-        block of query tokens where that is slow or missing, SDPA over the dequantized codes: `_decoded_block`).
+        """Attention from the codes: the fused split-K kernel on a GPU, else two `mx.quantized_matmul` (or, where
+        that is slow or missing, SDPA over the dequantized codes: `_decoded_block`).
 
         keys/values are what update_and_fetch returned (the decoded codes); the fused path does not read them.
         """
@@ -158,12 +158,14 @@ class AffineCache(CheckedBlockCache):
 
     @staticmethod
     def _decoded_block(queries: mx.array) -> bool:
-        """Whether a block of query tokens attends over the dequantized codes rather than two quantized_matmul
-        calls (mlx-lm's path, kept on Metal): on CUDA past 4 tokens, where MLX 0.32.4 has no quantized_matmul
-        kernel ("No implementation for problem shape"); on the CPU past 1 token, where dequantizing and SDPA
-        were 1.9x faster at 4 query tokens and 8x at 512 (one layer, 4096 tokens, head_dim 128, this lab's CPU)."""
+        """Whether the queries attend over the dequantized codes rather than two quantized_matmul calls (mlx-lm's
+        path, kept on Metal): always on CUDA, where MLX 0.32.4 has no quantized_matmul kernel for a cache's
+        shapes, one query token included ("No implementation for problem shape: 1x32769x128x128",
+        benchmarks/results/model_decode-paths-w16-h100-80gb-hbm3.json); on the CPU past 1 token, where
+        dequantizing and SDPA were 1.9x faster at 4 query tokens and 8x at 512 (one layer, 4096 tokens, head_dim
+        128, this lab's CPU)."""
         backend = active_backend()
-        return queries.shape[2] > {"cuda": 4, "cpu": 1}.get(backend, queries.shape[2])
+        return queries.shape[2] > {"cuda": 0, "cpu": 1}.get(backend, queries.shape[2])
 
     def _quantized_attention(self, q: mx.array, qk: list[mx.array], qv: list[mx.array], scale: float,
                              mask: Any) -> mx.array:
@@ -171,8 +173,8 @@ class AffineCache(CheckedBlockCache):
         b, hq, length, d = q.shape
         hkv = qk[0].shape[1]
         out_dtype = q.dtype
-        # The CPU computes in the query's dtype (float32 there); MLX's CUDA quantized_matmul has no float32
-        # kernel, so on a GPU the matmuls run in the stored scales' float16, as mlx-lm's own path does.
+        # The CPU computes in the query's dtype (float32 there); on a GPU (Metal: CUDA decodes the codes instead,
+        # `_decoded_block`) the matmuls run in the stored scales' float16, as mlx-lm's own path does.
         dtype = q.dtype if mx.default_device() == mx.cpu else STORE_DTYPE
         q = (q * scale).astype(dtype).reshape(b, hkv, hq // hkv, length, d)
         # broadcast the codes and scales over the GQA group
