@@ -71,7 +71,7 @@ __all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
 GEOMETRY = ("block_tokens", "sink_tokens", "kv_tail_tokens")  # options a scheme may set, or class attributes
 LAYOUT = "gmlx_lab.BlockCache/1"  # the last item of `state`: a saved state of another layout is refused
 STATE_ITEMS = 20  # six arrays, then offset, newest, layer, the geometry, the K/V shape, window and sliding scalars
-STATE = ("offset", "layer", "options", "sink", "body", "body_buffers", "held_blocks", "recent", "sink_count",
+STATE = ("offset", "layer", "options", "sink", "body", "body_buffers", "n_blocks", "recent", "sink_count",
          "recent_count", "newest", "max_kv_size", "dropped")
 
 
@@ -142,7 +142,7 @@ class BlockCache(GmlxCache):
         self.options = dict(options)
         self.sink: KV | None = None  # K, V (B, H, <= sink_tokens, D) fp16
         self.body_buffers: KV | None = None  # K, V tuples of GrowingBuffer, one per part `encode` returns
-        self.held_blocks = 0  # blocks of body_buffers the cache holds
+        self.n_blocks = 0  # encoded blocks per head: the blocks of body_buffers the cache holds
         self._body: KV | None = None  # their views (`body`), made when first read
         self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
         self.sink_count = 0
@@ -152,16 +152,11 @@ class BlockCache(GmlxCache):
 
     # -- geometry -------------------------------------------------------------------------------------------
     @property
-    def n_blocks(self) -> int:
-        """Encoded blocks per head."""
-        return self.held_blocks
-
-    @property
     def body(self) -> KV | None:
         """K, V tuples of arrays (B, H, blocks, ...): the held blocks of `body_buffers`, or None. The views are
         made when first read after a change, so a decode step that attends from the buffers builds none."""
-        if self._body is None and self.held_blocks:
-            self._body = KV(*(tuple(buf.view(self.held_blocks) for buf in bufs) for bufs in self.body_buffers))
+        if self._body is None and self.n_blocks:
+            self._body = KV(*(tuple(buf.view(self.n_blocks) for buf in bufs) for bufs in self.body_buffers))
         return self._body
 
     def region_tokens(self) -> dict[str, int]:
@@ -327,7 +322,7 @@ class BlockCache(GmlxCache):
         """Make `body` the first n blocks of the body's buffers (none: no body, no buffers)."""
         if n == 0:
             self.body_buffers = None
-        self.held_blocks, self._body = n, None
+        self.n_blocks, self._body = n, None
 
     def _encode_blocks(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
         """Tokens (B, H, m * block, D) as m blocks: `encode` sees (B, H * m, block, D); parts return (B, H, m, ...)."""

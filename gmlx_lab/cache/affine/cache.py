@@ -111,7 +111,7 @@ class AffineCache(CheckedBlockCache):
     @property
     def quantized(self) -> bool:
         """Whether the tokens are codes yet (False before `quantized_kv_start`)."""
-        return self.held_blocks > 0
+        return self.n_blocks > 0
 
     def stored(self, end: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Stored K/V (rotated for affine_rot) as arrays of `dtype`, decoded if quantized: the tokens are all codes
@@ -165,7 +165,7 @@ class AffineCache(CheckedBlockCache):
         dequantizing and SDPA were 1.9x faster at 4 query tokens and 8x at 512 (one layer, 4096 tokens, head_dim
         128, this lab's CPU)."""
         backend = active_backend()
-        return queries.shape[2] > {"cuda": 0, "cpu": 1}.get(backend, queries.shape[2])
+        return backend == "cuda" or (backend == "cpu" and queries.shape[2] > 1)
 
     def _quantized_attention(self, q: mx.array, qk: list[mx.array], qv: list[mx.array], scale: float,
                              mask: Any) -> mx.array:
