@@ -731,8 +731,10 @@ def test_metal_threadgroup_memory_fits_apple_gpus(monkeypatch: pytest.MonkeyPatc
         assert decode.affine_qb_max(1024) == 3 and decode.kvarn_warps(512) == 2 and decode.kvarn_warps(256) == 4
         out = _attend(c, q, "causal")
         monkeypatch.setattr(decode, "affine_qb_max", lambda d: 4)
+        fresh = _affine_cache(4, 128, 1024, 128 + 5, seed=0)  # c keeps its call while its inputs stay
+        fresh.attention_path = "fused"
         with pytest.raises(RuntimeError, match="35008 bytes of threadgroup memory; Apple GPUs allow 32768"):
-            _attend(c, q, "causal")
+            _attend(fresh, q, "causal")
     assert _rel(out, _affine_dequantized_reference(c, q, "causal")) < 2e-3
 
 
@@ -782,8 +784,64 @@ def test_cpu_threads_refuse_an_unknown_source() -> None:
         threads.current_source()
 
 
-def test_run_graph_compiles_once_per_key_and_reads_every_array_at_each_call(monkeypatch):
-    """On a GPU, decode attention is one compiled graph per launch geometry (build.run_graph). What changes
+@gpu
+def test_an_affine_decode_call_is_kept_while_its_inputs_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An affine cache prepares its fused call once and makes it again while nothing it was made from changed
+    (AffineCache._fused_call): each step matches SDPA over the fetched K/V; a new 128-token tile of tokens (with
+    the buffers' growth at 257 tokens) and a trim prepare a new call."""
+    import gmlx_lab.cache.affine.cache as affine_module
+
+    made = []
+
+    class Counted(decode.AffineCall):
+        def __init__(self, *args, **kwargs) -> None:
+            made.append(args[4])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(affine_module, "AffineCall", Counted)
+    c = AffineCache(4, 64)
+    c.attention_path = "fused"
+    c.update_and_fetch(*random_kv(250, 2, 128, seed=1))
+
+    def step(seed: int) -> None:
+        k, v = random_kv(1, 2, 128, seed=seed)
+        keys, values = c.update_and_fetch(k, v)
+        q = mx.random.normal((1, 4, 1, 128))
+        with mx.stream(mx.cpu):
+            want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=None)
+        assert _rel(c.attend(q, keys, values, 0.1, None), want) < 5e-3, (seed, c.offset)
+
+    for seed in range(10):  # 251..260 tokens: a third tile and larger buffers from 257
+        step(seed)
+    assert made == [251, 257], made
+    c.trim(2)
+    step(10)  # 259 again, after dropping two rows
+    assert made == [251, 257, 259], made
+
+
+def test_a_kept_call_is_made_again_when_what_it_read_changes() -> None:
+    """BlockCache.kept_call: the call is kept while its arrays are the same objects and its values equal; another
+    array object, another value or dropped blocks (a trim) make it again; appended blocks alone do not drop it."""
+    c = AffineCache(4, 64)
+    c.update_and_fetch(*random_kv(8, 2, 128))
+    made = []
+
+    def make() -> int:
+        made.append(len(made))
+        return made[-1]
+
+    a = mx.zeros((1,))
+    assert [c.kept_call((a,), (1,), make) for _ in range(2)] == [0, 0]
+    assert c.kept_call((mx.zeros((1,)),), (1,), make) == 1
+    assert c.kept_call((a,), (2,), make) == 2
+    c.update_and_fetch(*random_kv(1, 2, 128, seed=1))
+    assert c.kept_call((a,), (2,), make) == 2
+    c.trim(1)
+    assert c.kept_call((a,), (2,), make) == 3
+
+
+def test_a_graph_function_compiles_once_per_key_and_reads_every_array_at_each_call(monkeypatch):
+    """On a GPU, decode attention is one compiled graph per launch geometry (build.graph_function). What changes
     between steps (the kernels' parameter arrays: the token count) is an input, read anew at each call, never
     baked into the trace; another key is another graph; the CPU calls the graph as it is."""
     monkeypatch.setattr(build, "active_backend", lambda: "cuda")  # compile as on a GPU (this graph is pure MLX)
@@ -795,10 +853,10 @@ def test_run_graph_compiles_once_per_key_and_reads_every_array_at_each_call(monk
 
     x = mx.ones((4,))
     for step in range(3):
-        assert build.run_graph(graph, 2.0, x, mx.array([float(step)])).tolist() == [2.0 + step] * 4
+        assert build.graph_function(graph, 2.0)(x, mx.array([float(step)])).tolist() == [2.0 + step] * 4
     assert traced == [2.0]  # traced once, replayed twice
-    assert build.run_graph(graph, 3.0, x, mx.array([1.0])).tolist() == [4.0] * 4
+    assert build.graph_function(graph, 3.0)(x, mx.array([1.0])).tolist() == [4.0] * 4
     assert traced == [2.0, 3.0]
     monkeypatch.setattr(build, "active_backend", lambda: "cpu")
-    assert build.run_graph(graph, 2.0, x, mx.array([5.0])).tolist() == [7.0] * 4
+    assert build.graph_function(graph, 2.0)(x, mx.array([5.0])).tolist() == [7.0] * 4
     assert traced == [2.0, 3.0, 2.0]

@@ -51,6 +51,7 @@ to count them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -149,6 +150,7 @@ class BlockCache(GmlxCache):
         self.recent_count = 0
         self.newest = 0  # tokens of the latest update: not encoded before the next one arrives
         self.rollback: KV | None = None  # the newest block's fp16 K, V (keep_newest_block), until the next encode
+        self._call: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None  # what kept_call keeps
 
     # -- geometry -------------------------------------------------------------------------------------------
     @property
@@ -304,25 +306,42 @@ class BlockCache(GmlxCache):
             # the copy is computed with the body: left lazy, it would keep alive the whole fp16 buffer it is cut
             # from (every layer's previous recent tokens) until the next encode
             new = KV(*(tuple(mx.depends(list(parts), list(self.rollback))) for parts in new))
+        start, end = self.n_blocks, self.n_blocks + new.k[0].shape[2]
+        in_place = self.body_buffers is not None and self.body_buffers.k[0].capacity() >= end
         if self.body_buffers is None:
             self.body_buffers = KV(*(tuple(GrowingBuffer(p.dtype, step=self.body_step) for p in parts)
                                      for parts in new))
-        start = self.n_blocks
         for bufs, parts in zip(self.body_buffers, new):
             for buf, part in zip(bufs, parts):
                 buf.write(start, part)
-        self._hold_blocks(start + new.k[0].shape[2])
+        self._hold_blocks(end, in_place)
 
     def _to_encode(self, stored: mx.array) -> mx.array:
         """What `encode` sees of stored fp16 tokens: float32, rotated unless they were on arrival."""
         x = stored.astype(mx.float32)
         return x if self.rotate_on_arrival else self.rotate(x)
 
-    def _hold_blocks(self, n: int) -> None:
-        """Make `body` the first n blocks of the body's buffers (none: no body, no buffers)."""
+    def _hold_blocks(self, n: int, in_place: bool = False) -> None:
+        """Make `body` the first n blocks of the body's buffers (none: no body, no buffers). Unless blocks were only
+        written into the buffers in place, the kept fused call goes too (`kept_call`): it must not keep replaced
+        arrays alive until the next attention (a seal that grows the buffers, a trim, a rolled window)."""
+        if not in_place:
+            self._call = None
         if n == 0:
             self.body_buffers = None
         self.n_blocks, self._body = n, None
+
+    def kept_call(self, objects: tuple[Any, ...], values: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """A decode step's fused call (`make()`, or None where attention takes another route), kept from the last
+        step while what it was made from is the same: `objects` (the arrays it reads) the very same objects and
+        `values` (the route's inputs, the queries' geometry) equal. Asking it all again every step costs more
+        host time than the launch itself (docs/history/gpu-rounds.md)."""
+        kept = self._call
+        if kept is not None and kept[1] == values and all(a is b for a, b in zip(kept[0], objects)):
+            return kept[2]
+        call = make()
+        self._call = (objects, values, call)
+        return call
 
     def _encode_blocks(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
         """Tokens (B, H, m * block, D) as m blocks: `encode` sees (B, H * m, block, D); parts return (B, H, m, ...)."""

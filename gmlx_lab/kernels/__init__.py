@@ -19,6 +19,7 @@ from .build import active_backend
 from .config import KernelConfig, configured, set_config
 from .decode import (
            MAX_QUERY_TOKENS,
+           AffineCall,
            KvarnCall,
            SplitCounter,
            affine_attend,
@@ -34,6 +35,7 @@ from .sources import assemble
 
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
-__all__ = ["KERNELS", "KernelConfig", "KvarnCall", "MAX_QUERY_TOKENS", "SplitCounter", "active_backend", "assemble",
-           "affine_attend", "affine_supported", "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_splits",
-           "configured", "precompiled", "seal_records", "selfcheck", "set_config", "unpack_records"]
+__all__ = ["KERNELS", "AffineCall", "KernelConfig", "KvarnCall", "MAX_QUERY_TOKENS", "SplitCounter",
+           "active_backend", "assemble", "affine_attend", "affine_supported", "kvarn_attend", "kvarn_supported",
+           "kvarn_tokens", "merge_splits", "configured", "precompiled", "seal_records", "selfcheck", "set_config",
+           "unpack_records"]

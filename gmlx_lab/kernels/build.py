@@ -121,20 +121,16 @@ def launch(name: str, inputs: dict[str, mx.array], outputs: dict[str, tuple[tupl
     )
 
 
-def run_graph(graph: Callable[..., mx.array], key: Any, *arrays: mx.array) -> mx.array:
-    """`graph(key, *arrays)`: on a GPU backend compiled with `mx.compile`, once per key and input shapes.
+def graph_function(graph: Callable[..., mx.array], key: Any) -> Callable[..., mx.array]:
+    """`graph` with its key bound: on a GPU backend compiled with `mx.compile`, once per key (and, within it, per
+    input shapes); the CPU (and CPU threads, which run kernels eagerly) gets `graph` as it is.
 
     A decode step calls its attention graph once per layer, and building it in Python (two kernel calls, whose
     sources MLX assembles at each call) costs the host more than the GPU spends on it at short contexts; a
     compiled graph is replayed in C++ with the kernels built once. `key` (plain values) with the arrays' shapes
-    and dtypes must fix the graph: every value that changes between steps is one of `arrays`, never captured.
-    The CPU (and CPU threads, which run kernels eagerly) calls `graph` as it is."""
-    return graph_function(graph, key)(*arrays)
-
-
-def graph_function(graph: Callable[..., mx.array], key: Any) -> Callable[..., mx.array]:
-    """`graph` with its key bound, as `run_graph` calls it: compiled on a GPU backend, else as it is. A caller that
-    runs the same graph every step may keep it while the backend and the settings stay (decode.KvarnCall)."""
+    and dtypes must fix the graph: every value that changes between steps is an input, never captured. A caller
+    that runs the same graph every step keeps it while the backend and the settings stay (decode.KvarnCall,
+    decode.AffineCall)."""
     if active_backend() == "cpu":
         return partial(graph, key)
     return _compiled(graph, key)

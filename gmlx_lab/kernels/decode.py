@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..records import KVARN_HEAD_DIMS, KvarnParts, Records, unpack_rows
 from . import config
-from .build import graph_function, kernel_backend, launch, run_graph
+from .build import graph_function, kernel_backend, launch
 from .sources import CUDA_DEFINES
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
@@ -216,7 +216,8 @@ def kvarn_splits(records: int, recent: int, groups: int, warps: int, per_warp: i
 
 
 class KvarnPlan(NamedTuple):
-    """The launch geometry of one kvarn_decode call: plain ints, the key of its compiled graph (build.run_graph)."""
+    """The launch geometry of one kvarn_decode call: plain ints, the key of its compiled graph
+    (build.graph_function)."""
 
     records: int  # R: sealed records per (head, slice)
     slices: int  # S: 128-channel slices of the head dim
@@ -429,7 +430,7 @@ def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, 
     back (CUDA; on Metal a second launch, split_merge, does that). `counter`: the cache's SplitCounter (a
     fresh one each call without it).
 
-    On a GPU the launches are one compiled graph per launch geometry (`build.run_graph`): a decode step
+    On a GPU the launches are one compiled graph per launch geometry (`build.graph_function`): a decode step
     replays it instead of building the kernel calls again in Python."""
     b, hq, length, d = queries.shape
     hkv = parts.sink.k.shape[1]
@@ -529,7 +530,8 @@ def _unpack(records: Records, sink: mx.array | None, recent: mx.array | None, re
 
 # -- affine ---------------------------------------------------------------------------------
 class AffinePlan(NamedTuple):
-    """The launch geometry of one affine_decode call: plain ints, the key of its compiled graph (build.run_graph)."""
+    """The launch geometry of one affine_decode call: plain ints, the key of its compiled graph
+    (build.graph_function)."""
 
     per: int  # tokens per split
     nsplit: int
@@ -659,7 +661,7 @@ def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[m
     and, for a rotated cache, rotates the output back (CUDA; elsewhere a second launch, split_merge); no
     dequantized copy. parts: K and V buffers [codes, scales, biases] of (B, Hkv, CAP, ...) whose first `tokens`
     rows hold tokens; `counter`: the cache's SplitCounter (a fresh one each call without it). On a GPU the
-    whole is one compiled graph per launch geometry (`build.run_graph`), as for kvarn."""
+    whole is one compiled graph per launch geometry (`build.graph_function`), as for kvarn."""
     b, hq, length, d = queries.shape
     kparts, vparts = parts
     hkv = kparts[0].shape[1]
@@ -670,13 +672,33 @@ def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[m
                                            length, causal, emulate=True)
         out, _ = merge_splits(part_o, part_lse, rotate=rotate, dtype=queries.dtype, emulate=True)
         return ungroup(out, b, hq, length)
-    plan = affine_plan((hq // hkv) * length, d, b * hkv, tokens, bits, group_size, length, causal, rotate=rotate)
-    params = affine_params(plan, tokens, kparts[0].shape[2], scale)
-    counter = counter or SplitCounter()
-    out, after = run_graph(_affine_graph, (plan, hkv), queries, *kparts, *vparts, *params,
-                           counter.take(b * hkv * plan.nchunk))
-    counter.put(after)
-    return out
+    call = AffineCall(queries.shape, scale, causal, parts, tokens, bits, group_size, rotate)
+    return call(queries, tokens, counter or SplitCounter())
+
+
+class AffineCall:
+    """An affine_decode call prepared for decode steps, as `KvarnCall`: its plan, compiled graph and the inputs that
+    stay (the code buffers, the scale). A step passes the queries, the token count and the counter. The plan
+    holds while the tokens stay in one 128-token tile and the buffers are the same objects (AffineCache keeps
+    it that long)."""
+
+    def __init__(self, shape: tuple[int, ...], scale: float, causal: bool, parts: list[list[mx.array]], tokens: int,
+                 bits: int, group_size: int, rotate: bool):
+        b, hq, length, d = shape
+        kparts, vparts = parts
+        hkv = kparts[0].shape[1]
+        self.plan = affine_plan((hq // hkv) * length, d, b * hkv, tokens, bits, group_size, length, causal,
+                                rotate=rotate)
+        self.arrays = (*kparts, *vparts)
+        self.cap, self.scale = kparts[0].shape[2], scale
+        self.counter_size = b * hkv * self.plan.nchunk
+        self.graph = graph_function(_affine_graph, (self.plan, hkv))
+
+    def __call__(self, queries: mx.array, tokens: int, counter: SplitCounter) -> mx.array:
+        params = affine_params(self.plan, tokens, self.cap, self.scale)
+        out, after = self.graph(queries, *self.arrays, *params, counter.take(self.counter_size))
+        counter.put(after)
+        return out
 
 
 def _affine_graph(key: tuple[AffinePlan, int], queries: mx.array, *arrays: mx.array) -> tuple[mx.array, mx.array]:

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from ... import window
-from ...kernels import SplitCounter, active_backend, affine_attend, affine_supported
+from ...kernels import AffineCall, SplitCounter, active_backend, affine_attend, affine_supported, selfcheck
 from ...records import KV
 from ...registry import Option
 from ...rotation import rotation_problem
@@ -141,10 +141,12 @@ class AffineCache(CheckedBlockCache):
 
         keys/values are what update_and_fetch returned (the decoded codes); the fused path does not read them.
         """
+        call = self._fused_call(queries, scale, mask)
+        if call is not None:
+            return call(queries, self.held, self._counter)
         route = self.kernel_route(self.quantized and affine_supported(queries, mask), "affine_decode")
         if route is not None:
-            parts = [[b.data for b in bufs] for bufs in self.body_buffers]
-            return affine_attend(queries, scale, mask, parts, self.held, self.bits, self.group_size,
+            return affine_attend(queries, scale, mask, self._buffers(), self.held, self.bits, self.group_size,
                                  self.rotate_on_arrival, emulate=route == "emulated", counter=self._counter)
         q = self.rotate(queries) if self.rotate_on_arrival else queries
         if not self.quantized or self._decoded_block(queries):
@@ -155,6 +157,28 @@ class AffineCache(CheckedBlockCache):
         else:
             out = self._quantized_attention(q, list(self.body.k), list(self.body.v), scale, mask)
         return self.unrotate(out) if self.rotate_on_arrival else out
+
+    def _buffers(self) -> list[list[mx.array]]:
+        """K and V's code, scale and bias buffers, whole (the kernel reads the first `held` rows)."""
+        return [[b.data for b in bufs] for bufs in self.body_buffers]
+
+    def _fused_call(self, queries: mx.array, scale: float, mask: Any) -> AffineCall | None:
+        """The fused kernel's call for this step, or None where `attend` takes another route, kept while the route's
+        inputs, the queries' geometry, the buffers (the same objects until they grow) and the tokens' 128-token
+        tile stay (`kept_call`)."""
+        if not self.quantized or not (mask is None or isinstance(mask, str)):
+            return None
+        buffers = self._buffers()
+        objects = tuple(buffers[0] + buffers[1])
+        values = (queries.shape, queries.dtype, scale, mask, -(-self.held // 128), self.attention_path,
+                  selfcheck.context())
+
+        def make() -> AffineCall | None:
+            if self.kernel_route(affine_supported(queries, mask), "affine_decode") != "fused":
+                return None
+            return AffineCall(queries.shape, scale, isinstance(mask, str) and queries.shape[2] > 1, buffers,
+                              self.held, self.bits, self.group_size, self.rotate_on_arrival)
+        return self.kept_call(objects, values, make)
 
     @staticmethod
     def _decoded_block(queries: mx.array) -> bool:

@@ -91,7 +91,6 @@ class KVarNCache(CheckedBlockCache):
                          head_dim_ext=head_dim_ext)
         self._prefix: tuple[Any, Any, KV] | None = None  # (body, sink, their decoded graph) for GPU decode steps
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
-        self._call: tuple[tuple[Any, ...], tuple[Any, ...], KvarnCall | None] | None = None  # _fused_call's
 
     # -- what a block scheme writes: records -----------------------------------------------------
     def rotate(self, x: mx.array) -> mx.array:
@@ -204,29 +203,22 @@ class KVarNCache(CheckedBlockCache):
         return self._attend_by_region(queries, scale, mask)
 
     def _fused_call(self, queries: mx.array, scale: float, mask: Any) -> KvarnCall | None:
-        """The fused kernel's call for this step, or None where `attend` takes another route. The answer is kept
-        from the last step while what it was made from is the same: the route's inputs (`selfcheck.context`, the
-        path), the queries' geometry, the arrays read (as objects), the recent tokens' 128-token tiles. Asking it
-        all again every step costs more host time than the launch itself (docs/history/gpu-rounds.md)."""
+        """The fused kernel's call for this step, or None where `attend` takes another route, kept while the route's
+        inputs (`selfcheck.context`, the path), the queries' geometry, the arrays read and the recent tokens'
+        128-token tiles stay (`kept_call`)."""
         if self.body is None or not (mask is None or isinstance(mask, str)):
             return None
         n = self.recent_count
         objects = (self.body, self.sink, self.recent.k.data, self.recent.v.data)
         values = (queries.shape, queries.dtype, scale, mask, -(-n // 128), n >= queries.shape[2], self.attention_path,
                   selfcheck.context())
-        if self._call is not None and self._call[1] == values and all(a is b for a, b in zip(self._call[0], objects)):
-            return self._call[2]
-        parts = self.parts()
-        fused = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode") == "fused"
-        call = KvarnCall(queries.shape, scale, isinstance(mask, str) and queries.shape[2] > 1, parts) if fused else None
-        self._call = (objects, values, call)
-        return call
 
-    def _hold_blocks(self, n: int) -> None:
-        """The base's, and the kept fused call goes with the body it read: it must not keep the old body's arrays
-        alive (a trim, a seal or a rolled window frees them)."""
-        super()._hold_blocks(n)
-        self._call = None
+        def make() -> KvarnCall | None:
+            parts = self.parts()
+            fused = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode") == "fused"
+            return KvarnCall(queries.shape, scale, isinstance(mask, str) and queries.shape[2] > 1, parts) if fused \
+                else None
+        return self.kept_call(objects, values, make)
 
     def _attend_by_region(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """The reference attention, as the fused kernel computes it: the records in rotated space with rotated
