@@ -284,6 +284,12 @@ class GmlxCache(_BaseCache):
             return None
         return "fused"
 
+    def may_fuse(self) -> bool:
+        """Whether `kernel_route` can answer "fused" at all (the "fused" path, or "auto" on a GPU backend): a
+        cheap test first, so the CPU's reference path does not prepare a fused call at every step."""
+        path = self.attention_path
+        return path == "fused" or (path == "auto" and active_backend() != "cpu")
+
     def uses_kernel(self, kernel: str) -> bool:
         """Whether this cache runs `kernel` (sealing, decoding) rather than its pure-MLX twin: a GPU backend, not
         the reference path, and a passed self-check."""

@@ -166,7 +166,7 @@ class AffineCache(CheckedBlockCache):
         """The fused kernel's call for this step, or None where `attend` takes another route, kept while the route's
         inputs, the queries' geometry, the buffers (the same objects until they grow) and the tokens' 128-token
         tile stay (`kept_call`)."""
-        if not self.quantized or not (mask is None or isinstance(mask, str)):
+        if not self.quantized or not self.may_fuse() or not (mask is None or isinstance(mask, str)):
             return None
         buffers = self._buffers()
         objects = tuple(buffers[0] + buffers[1])

@@ -206,7 +206,7 @@ class KVarNCache(CheckedBlockCache):
         """The fused kernel's call for this step, or None where `attend` takes another route, kept while the route's
         inputs (`selfcheck.context`, the path), the queries' geometry, the arrays read and the recent tokens'
         128-token tiles stay (`kept_call`)."""
-        if self.body is None or not (mask is None or isinstance(mask, str)):
+        if self.body is None or not self.may_fuse() or not (mask is None or isinstance(mask, str)):
             return None
         n = self.recent_count
         objects = (self.body, self.sink, self.recent.k.data, self.recent.v.data)
