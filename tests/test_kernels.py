@@ -826,21 +826,23 @@ def test_a_kept_call_is_made_again_when_what_it_read_changes() -> None:
     """BlockCache.kept_call: the call is kept while its arrays are the same objects and its values equal; another
     array object, another value or dropped blocks (a trim) make it again; appended blocks alone do not drop it."""
     c = AffineCache(4, 64)
+    c.attention_path = "fused"  # a route that can be fused (on the CPU's "auto" kept_call answers None at once)
     c.update_and_fetch(*random_kv(8, 2, 128))
     made = []
+    q = mx.zeros((1, 4, 1, 128))
 
     def make() -> int:
         made.append(len(made))
         return made[-1]
 
     a = mx.zeros((1,))
-    assert [c.kept_call((a,), (1,), make) for _ in range(2)] == [0, 0]
-    assert c.kept_call((mx.zeros((1,)),), (1,), make) == 1
-    assert c.kept_call((a,), (2,), make) == 2
+    assert [c.kept_call(q, 0.1, None, (a,), (1,), make) for _ in range(2)] == [0, 0]
+    assert c.kept_call(q, 0.1, None, (mx.zeros((1,)),), (1,), make) == 1
+    assert c.kept_call(q, 0.1, None, (a,), (2,), make) == 2
     c.update_and_fetch(*random_kv(1, 2, 128, seed=1))
-    assert c.kept_call((a,), (2,), make) == 2
+    assert c.kept_call(q, 0.1, None, (a,), (2,), make) == 2
     c.trim(1)
-    assert c.kept_call((a,), (2,), make) == 3
+    assert c.kept_call(q, 0.1, None, (a,), (2,), make) == 3
 
 
 def test_a_graph_function_compiles_once_per_key_and_reads_every_array_at_each_call(monkeypatch):

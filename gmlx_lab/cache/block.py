@@ -60,6 +60,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import window
+from ..kernels import selfcheck
 from ..records import KV
 from ..regions import block_regions, due_tokens
 from ..registry import Option, Scheme, check_options
@@ -331,11 +332,16 @@ class BlockCache(GmlxCache):
             self.body_buffers = None
         self.n_blocks, self._body = n, None
 
-    def kept_call(self, objects: tuple[Any, ...], values: tuple[Any, ...], make: Callable[[], Any]) -> Any:
-        """A decode step's fused call (`make()`, or None where attention takes another route), kept from the last
-        step while what it was made from is the same: `objects` (the arrays it reads) the very same objects and
-        `values` (the route's inputs, the queries' geometry) equal. Asking it all again every step costs more
-        host time than the launch itself (docs/history/gpu-rounds.md)."""
+    def kept_call(self, queries: mx.array, scale: float, mask: Any, objects: tuple[Any, ...], values: tuple[Any, ...],
+                  make: Callable[[], Any]) -> Any:
+        """A decode step's fused call (`make()`, or None where attention takes another route; None at once where no
+        fused route can apply: `may_fuse`, or an array mask), kept from the last step while what it was made from
+        is the same: `objects` (the arrays it reads) the very same objects, and the route's inputs (the path,
+        `selfcheck.context`), the queries' geometry and the scheme's `values` equal. Asking it all again every
+        step costs more host time than the launch itself (docs/history/gpu-rounds.md)."""
+        if not self.may_fuse() or not (mask is None or isinstance(mask, str)):
+            return None
+        values = (queries.shape, queries.dtype, scale, mask, self.attention_path, selfcheck.context(), *values)
         kept = self._call
         if kept is not None and kept[1] == values and all(a is b for a, b in zip(kept[0], objects)):
             return kept[2]

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from ... import window
-from ...kernels import AffineCall, SplitCounter, active_backend, affine_attend, affine_supported, selfcheck
+from ...kernels import AffineCall, SplitCounter, active_backend, affine_attend, affine_supported
 from ...records import KV
 from ...registry import Option
 from ...rotation import rotation_problem
@@ -163,22 +163,18 @@ class AffineCache(CheckedBlockCache):
         return [[b.data for b in bufs] for bufs in self.body_buffers]
 
     def _fused_call(self, queries: mx.array, scale: float, mask: Any) -> AffineCall | None:
-        """The fused kernel's call for this step, or None where `attend` takes another route, kept while the route's
-        inputs, the queries' geometry, the buffers (the same objects until they grow) and the tokens' 128-token
-        tile stay (`kept_call`)."""
-        if not self.quantized or not self.may_fuse() or not (mask is None or isinstance(mask, str)):
+        """The fused kernel's call for this step, or None where `attend` takes another route, kept while the buffers
+        (the same objects until they grow) and the tokens' 128-token tile stay (`kept_call`)."""
+        if not self.quantized:
             return None
         buffers = self._buffers()
-        objects = tuple(buffers[0] + buffers[1])
-        values = (queries.shape, queries.dtype, scale, mask, -(-self.held // 128), self.attention_path,
-                  selfcheck.context())
 
         def make() -> AffineCall | None:
             if self.kernel_route(affine_supported(queries, mask), "affine_decode") != "fused":
                 return None
             return AffineCall(queries.shape, scale, isinstance(mask, str) and queries.shape[2] > 1, buffers,
                               self.held, self.bits, self.group_size, self.rotate_on_arrival)
-        return self.kept_call(objects, values, make)
+        return self.kept_call(queries, scale, mask, tuple(buffers[0] + buffers[1]), (-(-self.held // 128),), make)
 
     @staticmethod
     def _decoded_block(queries: mx.array) -> bool:

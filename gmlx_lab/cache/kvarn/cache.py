@@ -35,7 +35,6 @@ from ...kernels import (
     kvarn_supported,
     kvarn_tokens,
     seal_records,
-    selfcheck,
     unpack_records,
 )
 from ...records import (
@@ -203,22 +202,19 @@ class KVarNCache(CheckedBlockCache):
         return self._attend_by_region(queries, scale, mask)
 
     def _fused_call(self, queries: mx.array, scale: float, mask: Any) -> KvarnCall | None:
-        """The fused kernel's call for this step, or None where `attend` takes another route, kept while the route's
-        inputs (`selfcheck.context`, the path), the queries' geometry, the arrays read and the recent tokens'
-        128-token tiles stay (`kept_call`)."""
-        if self.body is None or not self.may_fuse() or not (mask is None or isinstance(mask, str)):
+        """The fused kernel's call for this step, or None where `attend` takes another route, kept while the arrays
+        read and the recent tokens' 128-token tiles stay (`kept_call`)."""
+        if self.body is None:
             return None
         n = self.recent_count
         objects = (self.body, self.sink, self.recent.k.data, self.recent.v.data)
-        values = (queries.shape, queries.dtype, scale, mask, -(-n // 128), n >= queries.shape[2], self.attention_path,
-                  selfcheck.context())
 
         def make() -> KvarnCall | None:
             parts = self.parts()
             fused = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode") == "fused"
             return KvarnCall(queries.shape, scale, isinstance(mask, str) and queries.shape[2] > 1, parts) if fused \
                 else None
-        return self.kept_call(objects, values, make)
+        return self.kept_call(queries, scale, mask, objects, (-(-n // 128), n >= queries.shape[2]), make)
 
     def _attend_by_region(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """The reference attention, as the fused kernel computes it: the records in rotated space with rotated
