@@ -304,6 +304,7 @@ def test_readme_and_results_doc_show_the_committed_verdict() -> None:
     speed = decode_speed("model_decode-h200.json") + decode_speed("model_decode-h100-80gb-hbm3.json") + \
         decode_speed("model_decode-128k-h100-80gb-hbm3.json", ("affine4 g64", "kvarn4 tail=1024")) + \
         decode_speed("model_decode-e6429c9-h100-80gb-hbm3.json", ("affine4 g64", "kvarn4 tail=1024")) + \
+        decode_speed("model_decode-427c680-h200.json", ("fp16", "affine4 g64", "kvarn4 tail=1024")) + \
         decode_speed("model_decode-cpu.json")
     readme = (ROOT / "README.md").read_text()
     assert all(f"- {s.text()}" in readme for s in speed), "README: paste each decode_speed(...).text()"
