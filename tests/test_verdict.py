@@ -252,6 +252,8 @@ def test_decode_speed_reads_the_committed_ratios() -> None:
     h200 = {s.label: s for s in decode_speed("model_decode-h200.json")}
     assert h200["kvarn4 tail=1024"].high < 1 and h200["affine4 g64"].high < 1  # quantized decode is slower today
     assert "model_decode-h200.json" in h200["fp16"].text()
+    now = decode_speed("model_decode-427c680-h200.json", ("affine4 g64", "kvarn4 tail=1024"))
+    assert all(s.high <= 1 for s in now)  # notebooks 08 and 12: no quantized cache decodes faster at batch 1
     with pytest.raises(ValueError, match="no row"):
         decode_speed("model_decode-h200.json", ("nosuch",))
 
