@@ -275,7 +275,7 @@ class GmlxCache(_BaseCache):
             return None
         if path == "emulated":
             return "emulated"
-        if path == "auto" and active_backend() == "cpu":
+        if not self.may_fuse():  # "auto" on the CPU
             return None
         if not selfcheck.passed(kernel):
             if path == "fused":
