@@ -4,6 +4,13 @@
     python benchmarks/verdict.py --model gemma3-270m --contexts 2048          # adds to the same file
     python benchmarks/verdict.py --model teaching-llama --contexts 512,2048 --schemes affine4,kvarn4
     python benchmarks/verdict.py --model gemma3-270m --contexts 4096,8192 --missing   # go on after a stop
+    python benchmarks/verdict.py --model smollm2-135m --contexts 1024,2048,4096,7680 --kvarn-ext --jobs 8   # a GPU
+
+`--jobs N` splits the rows over N processes (a context's schemes in slices; each process prefills its own fp16
+reference), which is how a GPU that one process leaves mostly idle (small models are bound by Python and kernel
+launches) measures a sweep in a fraction of the time. Each process writes its own part file beside the results
+file; the parent merges them into it every few seconds and when it stops (also on SIGTERM), so a run cut off by
+a time limit keeps every finished row. The rows do not depend on how they were split.
 
 Method (gmlx_lab.measure.banded): 8 passage windows (gmlx_lab.measure.passages) run as one batch; at each
 context the fp16 cache prefills the window, each scheme stores what it held (the same K/V for every scheme),
@@ -20,8 +27,10 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -59,6 +68,87 @@ def commit() -> str:
         return "unknown"
 
 
+def with_ext(spec: str) -> str:
+    """A kvarn spec with the head-dim extension on (models whose heads are 64 or 96 wide, e.g. SmolLM2)."""
+    if not spec.startswith("kvarn") or "ext=" in spec:
+        return spec
+    return spec + ("," if ":" in spec else ":") + "ext=1"
+
+
+def todo(data: dict[str, Any], specs: list[str], contexts: list[int], missing: bool) -> dict[int, list[str]]:
+    """The (context -> specs) still to measure: all asked for, or with `missing` those the file lacks."""
+    have = {(r["context"], r["spec"]) for r in data["rows"]} if missing else set()
+    return {c: [s for s in specs if (c, s) not in have] for c in contexts}
+
+
+def slices(work: dict[int, list[str]], jobs: int) -> list[tuple[int, list[str]]]:
+    """Split the work into about `jobs` (context, specs) slices, more slices for the longer contexts (the cost of
+    a row grows with its context), each slice of one context."""
+    work = {c: s for c, s in work.items() if s}
+    if not work:
+        return []
+    weight = {c: c * len(s) for c, s in work.items()}
+    total = sum(weight.values())
+    out = []
+    for c, specs in work.items():
+        n = max(1, min(len(specs), round(jobs * weight[c] / total)))
+        out += [(c, specs[i::n]) for i in range(n)]
+    return out
+
+
+def merge(out: Path, base: dict[str, Any], parts: list[Path]) -> dict[str, Any]:
+    """`base` (the results file as it was) with every part file's runs and rows, a row replacing one of the same
+    (context, spec); written to `out`."""
+    data = {**base, "rows": list(base["rows"]), "runs": list(base.get("runs", []))}
+    for part in parts:
+        if not part.is_file():
+            continue
+        try:
+            found = json.loads(part.read_text())
+        except json.JSONDecodeError:  # being written right now: the next merge reads it
+            continue
+        shift = len(data["runs"])
+        data["runs"] += found.get("runs", [])
+        new = {(r["context"], r["spec"]): {**r, "run": r["run"] + shift} for r in found["rows"]}
+        data["rows"] = [r for r in data["rows"] if (r["context"], r["spec"]) not in new] + list(new.values())
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def run_jobs(args: argparse.Namespace, out: Path, data: dict[str, Any], work: dict[int, list[str]]) -> int:
+    """Measure `work` in `args.jobs` processes, merging their part files into `out` as they go."""
+    pieces = slices(work, args.jobs)
+    if not pieces:
+        print(f"{out} already holds every row asked for; nothing measured")
+        return 0
+    parts = [out.with_name(f"{out.stem}.part{i}.json") for i in range(len(pieces))]
+    for part in parts:
+        part.unlink(missing_ok=True)
+    procs = [subprocess.Popen([sys.executable, __file__, "--model", args.model, "--contexts", str(c),
+                               "--decode", str(args.decode), "--count", str(args.count), "--schemes", ",".join(s),
+                               "--out", str(part)]) for (c, s), part in zip(pieces, parts)]
+    print(f"{len(procs)} processes: " + "; ".join(f"{c} tokens x {len(s)} schemes" for c, s in pieces), flush=True)
+
+    def stop(signum: int, frame: Any) -> None:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        merge(out, data, parts)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    while any(p.poll() is None for p in procs):
+        time.sleep(10)
+        merge(out, data, parts)
+    merge(out, data, parts)
+    for part in parts:
+        part.unlink()
+    failed = [i for i, p in enumerate(procs) if p.returncode]
+    print(f"wrote {out}" + (f"; processes {failed} failed" if failed else ""))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma3-270m")
@@ -66,12 +156,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=256)
     parser.add_argument("--count", type=int, default=8)
     parser.add_argument("--schemes", default=",".join(VERDICT_SPECS))
+    parser.add_argument("--kvarn-ext", action="store_true",
+                        help="kvarn specs with the head-dim extension (ext=1), for heads of 64 or 96 channels")
     parser.add_argument("--missing", action="store_true",
                         help="measure only the (context, scheme) rows the results file lacks (to go on after a stop)")
+    parser.add_argument("--jobs", type=int, default=1, help="processes to split the rows over (see above)")
+    parser.add_argument("--out", default=None, help="results file (default: verdict-<model>-<machine>.json)")
     args = parser.parse_args(argv)
+    specs = scheme_list(args.schemes)
+    if args.kvarn_ext:
+        specs = [with_ext(s) for s in specs]
+        args.schemes = ",".join(specs)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs is a number of processes, at least 1; got {args.jobs}")
+    if args.jobs > 1:
+        from gmlx_lab.models import load
+        name = getattr(load(args.model)[0], "gmlx_name", None) or args.model  # converts the model once, here
+        out = Path(args.out) if args.out else RESULTS / f"verdict-{name}-{machine_tag()}.json"
+        data = json.loads(out.read_text()) if out.exists() else {"model": name, "rows": [], "runs": []}
+        return run_jobs(args, out, data, todo(data, specs, contexts, args.missing))
     model, tokenizer = load_model(args.model)
     name = getattr(model, "gmlx_name", None) or args.model
-    out = RESULTS / f"verdict-{name}-{machine_tag()}.json"
+    out = Path(args.out) if args.out else RESULTS / f"verdict-{name}-{machine_tag()}.json"
     data = json.loads(out.read_text()) if out.exists() else {"model": name, "rows": []}
     run = {"command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]), "commit": commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -89,14 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row.context:>6} {row.label:<22} share {row.share:.3f} mean KL {row.interval('mean_kl').text()} "
               f"top-1 {row.interval('top1').text()} {row.seconds:.1f} s", flush=True)
 
-    specs, contexts = scheme_list(args.schemes), [int(c) for c in args.contexts.split(",")]
-    if not args.missing:
+    if not args.missing:  # one pass over the contexts: each prefill goes on from the last
         banded_fidelity(model, tokenizer, name, specs, contexts, args.decode, args.count, on_row=keep)
-    for context in contexts if args.missing else []:  # one context at a time: each has its own missing rows
-        have = {r["spec"] for r in data["rows"] if r["context"] == context}
-        todo = [s for s in specs if s not in have]
-        if todo:
-            banded_fidelity(model, tokenizer, name, todo, [context], args.decode, args.count, on_row=keep)
+    for context, todo_specs in todo(data, specs, contexts, True).items() if args.missing else ():
+        if todo_specs:  # one context at a time: each has its own missing rows
+            banded_fidelity(model, tokenizer, name, todo_specs, [context], args.decode, args.count, on_row=keep)
     print(f"wrote {out}" if len(runs) > index else f"{out} already holds every row asked for; nothing measured")
     return 0
 

@@ -39,11 +39,13 @@ PREFILL_STEP = 2048
 WIDTHS = (2, 3, 4, 8)
 
 # Every built-in scheme at 2/3/4/8 bits where it has them, at its default tail; kvarn also at the short tail
-# (128 tokens, KIVI's default) so its fp16 tail does not hide its records at short contexts.
+# (128 tokens, KIVI's default) so its fp16 tail does not hide its records at short contexts, and with K and V at
+# different widths (which of the two needs the bits).
 VERDICT_SPECS: tuple[str, ...] = (
     *(f"affine{b}" for b in WIDTHS), *(f"affine_rot{b}" for b in WIDTHS),
     *(f"kvarn{b}" for b in WIDTHS), *(f"kvarn{b}:tail=128" for b in WIDTHS),
     *(f"turboquant{b}" for b in WIDTHS), "mxfp4", "nvfp4", "mxfp8", *(f"kivi{b}" for b in WIDTHS),
+    *(f"kvarn:{split},tail=128" for split in ("k8v4", "k4v8", "k4v2", "k2v4")),
 )
 
 
