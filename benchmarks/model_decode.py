@@ -14,7 +14,7 @@ For each context, every scheme side by side, each with a fresh cache (all kept u
      `mlx_lm.generate_step` (greedy, async-eval pipelining) from where its last round stopped, so a slow
      spell of the machine falls on every scheme alike; the wall-clock interval between consecutive yielded
      tokens is one token's time, each round's first token (pipeline start) left out; each row reports the
-     median, the 10th percentile and the count of its timed tokens; decode_tokens_per_s = 1000 / mean ms
+     median, the 10th and 90th percentiles and the count of its timed tokens; decode_tokens_per_s = 1000 / mean ms
      (with async-eval pipelining an interval can shrink after a long one, so the 10th percentile need not be a
      step's time: on the H200 mlx-lm's fell below its median by up to 60%; read the median);
   3. graph building: `--build-steps` more decode steps run one at a time, timing the Python call that builds
@@ -313,6 +313,7 @@ class Run:
         self.row.update({
             "decode_tokens_per_s": round(1e3 / mean, 2), "decode_ms_median": round(median, 3),
             "decode_ms_mean": round(mean, 3), "decode_ms_p10": round(percentile(self.intervals, 10), 3),
+            "decode_ms_p90": round(percentile(self.intervals, 90), 3),
             "decode_ms_min": round(min(self.intervals), 3),
             "decode_ms_max": round(max(self.intervals), 3), "timed_tokens": len(self.intervals),
             "build_us_per_step": round(build, 1), "build_us_per_layer": round(build / len(model.layers), 2),
