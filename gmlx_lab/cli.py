@@ -412,21 +412,57 @@ def cmd_schemes(args: argparse.Namespace) -> int:
 def cmd_verdict(args: argparse.Namespace) -> int:
     """Which scheme when: the committed banded-fidelity results as recommendations per budget and context."""
     from .measure import verdict
+    from .measure.speed import committed_speeds
 
     try:
         budgets = verdict.BUDGETS if args.budgets is None else tuple(float(b) for b in args.budgets.split(","))
     except ValueError:
         raise ValueError(f"--budgets takes shares of fp16's bytes like 0.8,0.6,0.4, got {args.budgets!r}") from None
     results = verdict.load_verdict(args.model, args.machine)
-    recs = verdict.recommendations(results, budgets)
+    recs = verdict.recommendations(results, budgets, speeds=committed_speeds())
     if args.json:
-        print(json.dumps([{"budget": r.budget, "context": r.context, "text": r.text(),
-                           "best": r.best and r.best.spec, "runner_up": r.runner_up and r.runner_up.spec,
-                           "comparison": r.comparison and r.comparison.to_dict()} for r in recs], indent=1))
+        print(json.dumps([recommendation_dict(r) for r in recs], indent=1))
         return 0
     print(verdict.recommendation_table(recs))
     print(f"\n{results.model}, {results.passages} passages, measured on the {', '.join(results.machines)}; "
-          f"{results.method}\nfrom {results.path}")
+          f"{results.method}\nfrom {results.path}\nThe quality floor: {verdict.floor_text()}; GPU b1: decode "
+          "speed against mlx-lm's fp16 KVCache (gmlx_lab.measure.speed)")
+    return 0
+
+
+def recommendation_dict(rec: Any) -> dict[str, Any]:
+    """One recommendation as JSON: the rows by spec, the sentence, the comparison and the speeds."""
+    speeds = {}
+    if rec.speeds is not None:
+        speeds = {row.spec: {s.setting: {"ratio": s.ratio, "text": s.text()} for s in rec.speeds.of(row.label)}
+                  for row in (rec.pick, rec.runner_up) if row is not None}
+    return {"budget": rec.budget, "context": rec.context, "text": rec.text(),
+            "recommended": rec.pick and rec.pick.spec, "runner_up": rec.runner_up and rec.runner_up.spec,
+            "breaks": rec.broken and rec.broken.spec, "comparison": rec.comparison and rec.comparison.to_dict(),
+            "speed": speeds}
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    """Your model: the rows that fit its cache under the budget, fidelity from the nearest measured model."""
+    from .measure.advice import advise
+    from .measure.speed import committed_speeds
+
+    model, _ = load_model(args.model)
+    advice = advise(model, args.context, args.budget, committed_speeds(), name=getattr(model, "gmlx_name", None))
+    if args.json:
+        print(json.dumps({**recommendation_dict(advice.recommendation), "model": advice.model,
+                          "evidence": advice.evidence.model, "evidence_context": advice.evidence_context,
+                          "fitting": advice.table(),
+                          "plan_command": advice.plan_command(args.model or "teaching-llama")}, indent=1))
+        return 0
+    print(advice.text(args.model or "teaching-llama"))
+    rows = advice.table()
+    if rows:
+        heads = list(rows[0])
+        widths = [max(len(h), *(len(r[h]) for r in rows)) for h in heads]
+        print()
+        for line in [dict(zip(heads, heads))] + rows:
+            print("  ".join(line[h].ljust(w) for h, w in zip(heads, widths)).rstrip())
     return 0
 
 
@@ -589,6 +625,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "gmlx_lab.measure.verdict.BUDGETS)")
     p.add_argument("--json", action="store_true", help="the recommendations as JSON")
     p.set_defaults(run=cmd_verdict)
+
+    p = sub.add_parser("recommend", parents=[model], help="which scheme for your model, context and budget: the "
+                       "rows that fit its cache, with fidelity from the nearest measured model")
+    p.add_argument("--context", type=count, default=4096, help="tokens in the cache (default 4096)")
+    p.add_argument("--budget", type=budget_share, default=0.5, help="a share of fp16's bytes: 0.5 or 50%% "
+                   "(default 0.5)")
+    p.add_argument("--json", action="store_true", help="the answer as JSON")
+    p.set_defaults(run=cmd_recommend)
 
     p = sub.add_parser("lab", help="start JupyterLab on the notebooks/ folder")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab")

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..paths import RESULTS_DIR
 from .intervals import Comparison, Interval, compare, step_spread
-from .verdict import RESULTS_DIR
 
 __all__ = ["BatchRow", "batch_rows", "compare_throughput", "markdown_table"]
 

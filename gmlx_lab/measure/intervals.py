@@ -97,7 +97,8 @@ def step_spread(median: float, p10: float, p90: float, steps: int) -> Interval:
 def wilson(hits: int, trials: int) -> Interval:
     """A success rate with its Wilson score 95% interval."""
     low, high = wilson_interval(hits, trials)
-    return Interval(hits / trials, low, high, trials, f"Wilson score over {trials} trials")
+    rate = hits / trials  # the bounds' arithmetic can land a rounding step inside 0 or 1 at 0 or all hits
+    return Interval(rate, min(low, rate), max(high, rate), trials, f"Wilson score over {trials} trials")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..paths import RESULTS_DIR
 from ..plans import Plan, width_choices, width_names, widths_label
 from ..policy import Policy, model_name, policy
 from ..registry import BASELINE, get_scheme
@@ -40,7 +41,6 @@ from .fidelity import only_layer
 from .intervals import Comparison, Interval, bootstrap, compare
 from .passages import Window, windows
 from .sizes import layer_bytes, layer_shapes, policy_bytes
-from .verdict import RESULTS_DIR
 
 WINDOWS = 8  # the model's passage windows; every CALIBRATION_STEP-th calibrates, the others evaluate
 CALIBRATION_STEP = 4

@@ -1,34 +1,49 @@
 """Which scheme when: the committed banded-fidelity results read as a recommendation per memory budget and context.
 
-    results = load_verdict("gemma3-270m")                 # the model's file with the most contexts (the H200's)
+    results = load_verdict("smollm2-135m")
     for rec in recommendations(results):
-        print(rec.text())                                 # best, runner-up, and whether the two differ
+        print(rec.text())            # what to use, what it is measured against, and why
 
-The best scheme under a budget is the one with the lowest mean KL (its estimate) among the rows whose stored
-bytes are at most that share of fp16's; whether it is really better than the runner-up is `intervals.compare`'s
-to say. The cost in speed comes from the committed whole-model decode files (`decode_speed`).
+The rule (`recommend`), in three steps:
+1. **Fit**: the rows whose stored bytes are at most the budget's share of fp16's.
+2. **Keep the model**: a row whose mean KL is above `KEEP_KL` or whose top-1 agreement is below `KEEP_TOP1` moves
+   the model's answers; it is reported as "fits, but breaks: raise the budget", never recommended. The two levels
+   sit in the gap `floor_evidence` finds on the lab's own runs: below it every measured row retrieved passkeys as
+   fp16 does, above it rows began to lose them (docs/results.md gives the numbers, `tests/test_verdict.py` holds
+   the levels inside the gap).
+3. **As good, then smaller, then faster**: a row that no other fitting row beats (`intervals.compare`: intervals
+   apart) is as good as the best at this sample; of those the recommendation stores the fewest bytes, and among
+   rows within `BYTES_TIE` of that it takes one whose decode is faster (`speed`), if any is.
+The runner-up is the best row of another scheme that fits and keeps the model; the speed of both comes from the
+committed whole-model runs (`speed.committed_speeds`), or says why it is unmeasured.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..paths import RESULTS_DIR
 from ..registry import BASELINE
 from .banded import Row
-from .intervals import Comparison, compare
+from .intervals import Comparison, Interval, compare, wilson
+from .speed import Speed, SpeedTable
 
-# The committed results: benchmarks/results/ in a checkout (gmlx_lab/data/results links to it), package data in an
-# installed gmlx_lab (pyproject.toml), so the notebooks find them either way.
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "data" / "results"
-BUDGETS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+BUDGETS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 METRIC = "mean_kl"
 # Mean KL under which rows computed in fp16 (on a GPU) tell no scheme from another: fp16 arithmetic alone lifts
 # the 8-bit rows to about this level, where the CPU's float32 rows of the same cases sit several times lower
 # (notebook 12 and docs/results.md show the cross-check; tests/test_verdict.py reads it from the files).
 FP16_KL_FLOOR = 1e-4
+# The quality floor: a row keeps the model where its mean KL is at most KEEP_KL and its top-1 agreement with fp16 at
+# least KEEP_TOP1 (estimates over the passages); each sits in the middle of the gap `floor_evidence` finds.
+KEEP_KL = 0.01
+KEEP_TOP1 = 0.93
+# Rows whose shares differ by less than this (of fp16's bytes) are equally small: the faster decode decides.
+BYTES_TIE = 0.01
 
 
 @dataclass
@@ -91,8 +106,8 @@ class VerdictResults:
 
 
 def context_label(context: int) -> str:
-    """A context as people say it: 512, 1K, 8K."""
-    return f"{context // 1024}K" if context >= 1024 and context % 1024 == 0 else str(context)
+    """A context as people say it: 512, 1K, 7.5K, 8K."""
+    return f"{context / 1024:g}K" if context >= 1024 and context % 512 == 0 else str(context)
 
 
 def verdict_path(model: str, machine: str = "cpu") -> Path:
@@ -161,115 +176,278 @@ def agreement(first: VerdictResults, second: VerdictResults) -> Agreement:
                      pairs)
 
 
+
+
+# -- the quality floor ----------------------------------------------------------------------------------------
+
+
+def keeps_model(row: Row) -> bool:
+    """True where the row's mean KL is at most KEEP_KL and its top-1 agreement at least KEEP_TOP1."""
+    return row.interval(METRIC).estimate <= KEEP_KL and row.interval("top1").estimate >= KEEP_TOP1
+
+
+def floor_text() -> str:
+    """The floor in words, as the tables and sentences name it."""
+    return f"mean KL <= {KEEP_KL:g} and top-1 >= {100 * KEEP_TOP1:.0f}%"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One verdict row beside the passkey retrieval of the same scheme, model and context (`benchmarks/field.py`)."""
+
+    row: Row
+    retrieval: Interval  # keys found of those asked, with the Wilson interval
+    fp16: Interval  # fp16's retrieval in the same case
+
+    @property
+    def kept_retrieval(self) -> bool:
+        """Retrieval as fp16's: the two Wilson intervals overlap."""
+        return self.retrieval.overlaps(self.fp16)
+
+
+def floor_evidence(results: VerdictResults, field_file: str = "field-h200.json",
+                   policy: str = "default") -> list[Evidence]:
+    """Every verdict row whose scheme, context and model the field run also asked for passkeys (under the model's
+    `policy`, as the verdict measures it), by mean KL: the lab's own evidence for where a cache starts to break."""
+    from .field import field_rows
+
+    report = json.loads((RESULTS_DIR / field_file).read_text())
+    keys = [r for r in field_rows([report]) if (r["model"], r["policy"], r["kind"]) == (results.model, policy,
+                                                                                        "passkey")]
+    out = []
+    for length in sorted({r["length"] for r in keys} & set(results.contexts)):
+        here = {r["label"]: r for r in keys if r["length"] == length}
+        fp16 = here.get(BASELINE)
+        if fp16 is None:
+            continue
+        for label, found in here.items():
+            row = next((r for r in results.at(length) if r.label == label), None)
+            if row is not None and row.scheme != BASELINE:
+                out.append(Evidence(row, wilson(found["hits"], found["asked"]), wilson(fp16["hits"], fp16["asked"])))
+    return sorted(out, key=lambda e: e.row.interval(METRIC).estimate)
+
+
+def floor_gap(evidence: list[Evidence]) -> tuple[Evidence, Evidence]:
+    """(the highest-KL row whose mean KL interval lies wholly below the first lost row's, that first row): the
+    lowest-KL row that lost fp16's retrieval, and the last row clearly below it. Rows whose intervals overlap the
+    first loss sit where retrieval is already a coin toss; a floor belongs in the gap between the two returned."""
+    lost = next((e for e in evidence if not e.kept_retrieval), None)
+    if lost is None:
+        raise ValueError("no row of the evidence lost fp16's retrieval: it sets no floor")
+    band = lost.row.interval(METRIC)
+    below = [e for e in evidence if e.row.interval(METRIC).high < band.low]
+    if not below:
+        raise ValueError(f"no row lies clearly below the first loss ({lost.row.label}): the evidence sets no floor")
+    return below[-1], lost
+
+
+# -- the recommendation -----------------------------------------------------------------------------------------
+
+
+def _beats(a: Row, b: Row, kl_floor: float) -> bool:
+    """True where a's mean KL is lower than b's with the intervals apart (and not both under the KL floor)."""
+    return compare("a", a.interval(METRIC), "b", b.interval(METRIC), floor=kl_floor).winner == "a"
+
+
 @dataclass(frozen=True)
 class Recommendation:
-    """Under `budget` (a share of fp16's bytes) at `context`: the best row, the best of another scheme (runner-up)
-    and their comparison."""
+    """Under `budget` (a share of fp16's bytes) at `context`: what to use (`pick`), the best row of another scheme
+    (`runner_up`), the rows as good as the best at this sample (`tied`), or, where every row that fits breaks the
+    model, the best of those (`broken`)."""
 
     budget: float
     context: int
-    best: Row | None
+    pick: Row | None
     runner_up: Row | None
-    floor: float  # the smallest share any measured scheme reaches at this context
-    kl_floor: float = 0.0  # VerdictResults.kl_floor
+    tied: tuple[Row, ...]
+    broken: Row | None
+    smallest: float  # the smallest share any measured row reaches at this context
+    smallest_kept: float | None  # the smallest share of a row that keeps the model at this context
+    kl_floor: float = 0.0
+    speeds: SpeedTable | None = None
 
     @property
     def comparison(self) -> Comparison | None:
-        if self.best is None or self.runner_up is None:
+        if self.pick is None or self.runner_up is None:
             return None
-        return compare(self.best.label, self.best.interval(METRIC), self.runner_up.label,
+        return compare(self.pick.label, self.pick.interval(METRIC), self.runner_up.label,
                        self.runner_up.interval(METRIC), "mean KL", floor=self.kl_floor)
 
-    def cells(self) -> tuple[str, str, str, str]:
-        """(budget, best, runner-up, verdict) as short table cells."""
+    def speed(self, row: Row) -> Speed | None:
+        """The row's decode speed on the GPU at batch 1 (the first committed setting), where speeds were given."""
+        return self.speeds.first(row.label) if self.speeds is not None else None
+
+    @property
+    def why(self) -> str:
+        """Why the pick and not the lowest-KL row: the words of the rule that chose it."""
+        if self.pick is None:
+            return ""
+        if len(self.tied) == 1:
+            return "the lowest mean KL"
+        smaller = [r for r in self.tied if r.share < self.pick.share]
+        if smaller:
+            return f"the faster decode of {len(smaller) + 1} rows equally small"
+        return f"the fewest bytes of the {len(self.tied)} rows as good at this sample"
+
+    @property
+    def faster(self) -> Row | None:
+        """A row as good as the pick at this sample whose decode is faster (GPU, batch 1), at more bytes."""
+        if self.pick is None or self.speeds is None:
+            return None
+        mine = self.speed(self.pick)
+        quicker = [r for r in self.tied if self.speed(r).faster_than(mine)]
+        return min(quicker, key=lambda r: r.share) if quicker else None
+
+    @property
+    def raise_to(self) -> str:
+        """The budget that first keeps the model here, in words."""
+        if self.smallest_kept is None:
+            return "only fp16 keeps the model at this context"
+        return f"raise the budget to {math.ceil(100 * self.smallest_kept - 1e-9):.0f}%"
+
+    def cells(self) -> tuple[str, ...]:
+        """(budget, recommended, mean KL, top-1, GPU speed, best other scheme, verdict) as short table cells."""
         budget = f"{100 * self.budget:.0f}% at {context_label(self.context)}"
-        if self.best is None:
-            return budget, "none fits", "", f"the smallest measured share is {100 * self.floor:.0f}%"
-        best = f"{self.best.label} ({100 * self.best.share:.0f}%)"
+        if self.pick is None and self.broken is None:
+            return budget, "none fits", "", "", "", "", f"the smallest measured share is {100 * self.smallest:.0f}%"
+        if self.pick is None:
+            row = self.broken
+            return (budget, "fits, but breaks", row.interval(METRIC).text(), row.interval("top1").text(), "",
+                    f"{row.label} ({100 * row.share:.0f}%)", self.raise_to)
+        row = self.pick
+        speed = self.speed(row)
+        cells = (budget, f"{row.label} ({100 * row.share:.0f}%)", row.interval(METRIC).text(),
+                 row.interval("top1").text(), speed.short() if speed else "")
         if self.runner_up is None:
-            return budget, best, "", "the only scheme that fits"
-        runner = f"{self.runner_up.label} ({100 * self.runner_up.share:.0f}%)"
-        if self.comparison.below_floor:
-            return budget, best, runner, f"both below {self.kl_floor:g}"
-        return budget, best, runner, "ahead" if self.comparison.distinguishable else "indistinguishable"
+            return *cells, "", "the only scheme that keeps the model"
+        other = f"{self.runner_up.label} ({100 * self.runner_up.share:.0f}%)"
+        said = self.comparison
+        if said.distinguishable:
+            return *cells, other, "ahead"
+        word = f"both below {self.kl_floor:g}" if said.below_floor else "overlap"
+        return *cells, other, f"{word}: {self.why}"
 
     def text(self) -> str:
-        """One sentence: the recommendation, or why there is none."""
-        where = f"Under {100 * self.budget:.0f}% of fp16's bytes at {self.context} tokens"
-        if self.best is None:
-            return f"{where} no measured scheme fits (the smallest share is {100 * self.floor:.0f}%)."
-        if self.runner_up is None:
-            return f"{where} only {self.best.label} fits: mean KL {self.best.interval(METRIC).text()}."
-        return f"{where}: {self.comparison.sentence()}"
+        """The answer in a few sentences: what to use and why, or why nothing fits or keeps the model."""
+        where = f"Under {100 * self.budget:.0f}% of fp16's bytes at {context_label(self.context)} tokens"
+        if self.pick is None and self.broken is None:
+            return f"{where} no measured row fits (the smallest share is {100 * self.smallest:.0f}%)."
+        if self.pick is None:
+            row = self.broken
+            return (f"{where} every row that fits breaks the model: the best, {row.label} at {100 * row.share:.0f}%, "
+                    f"has mean KL {row.interval(METRIC).text(3)} and top-1 {row.interval('top1').text(3)}, outside "
+                    f"the floor ({floor_text()}). Fits, but breaks: {self.raise_to}.")
+        row = self.pick
+        speed = self.speed(row)
+        out = (f"{where}: use {row.label} ({100 * row.share:.0f}% of fp16's bytes, mean KL "
+               f"{row.interval(METRIC).text()}, top-1 {row.interval('top1').text()}"
+               + (f"; {speed.setting}: {speed.short()} fp16's decode speed" if speed else "") + f"), {self.why}.")
+        if self.runner_up is not None:
+            out += " " + self.comparison.sentence()
+        if self.faster is not None:
+            fast, mine = self.speed(self.faster), self.speed(row)
+            out += (f" {self.faster.label} is as good at this sample and decodes faster ({fast.setting}: "
+                    f"{fast.short()} against {mine.short()}) for {100 * (self.faster.share - row.share):.0f} more "
+                    "points of fp16's bytes: the buy where speed counts more than those bytes.")
+        return out
 
 
-def _rank(row: Row, kl_floor: float) -> tuple[int, float]:
-    """Lowest mean KL first; rows wholly below the KL floor come before all others and, being alike, by bytes."""
-    kl = row.interval(METRIC)
-    return (0, row.share) if kl.high < kl_floor else (1, kl.estimate)
-
-
-def recommend(results: VerdictResults, budget: float, context: int) -> Recommendation:
-    """The lowest-mean-KL row whose bytes fit the budget at this context, and the runner-up: the best row of
-    another scheme (the same scheme at another width or tail answers a different question: which width). Rows
-    below the results' KL floor are alike in KL, so the smallest of them comes first."""
+def recommend(results: VerdictResults, budget: float, context: int, speeds: SpeedTable | None = None
+              ) -> Recommendation:
+    """What to use under `budget` at `context`: fit, keep the model, then as good / fewest bytes / faster (the
+    module's docstring). The runner-up is the best row of another scheme that fits and keeps the model."""
     if not 0 < budget <= 1:
         raise ValueError(f"budget is a share of fp16's bytes in (0, 1], got {budget}")
     rows = [r for r in results.at(context) if r.scheme != BASELINE]
-    fits = sorted((r for r in rows if r.share <= budget), key=lambda r: _rank(r, results.kl_floor))
-    floor = min(r.share for r in rows) if rows else 1.0
-    best = fits[0] if fits else None
-    runner_up = next((r for r in fits if best is not None and r.scheme != best.scheme), None)
-    return Recommendation(budget, context, best, runner_up, floor, results.kl_floor)
+    fits = sorted((r for r in rows if r.share <= budget), key=lambda r: r.interval(METRIC).estimate)
+    kept = [r for r in fits if keeps_model(r)]
+    smallest = min((r.share for r in rows), default=1.0)
+    smallest_kept = min((r.share for r in rows if keeps_model(r)), default=None)
+    if not kept:
+        return Recommendation(budget, context, None, None, (), fits[0] if fits else None, smallest, smallest_kept,
+                              results.kl_floor, speeds)
+    tied = tuple(r for r in kept if not any(_beats(x, r, results.kl_floor) for x in kept))
+    least = min(r.share for r in tied)
+    near = sorted((r for r in tied if r.share < least + BYTES_TIE), key=lambda r: r.share)
+    pick = near[0]
+    if speeds is not None:
+        quicker = [r for r in near[1:] if speeds.first(r.label).faster_than(speeds.first(pick.label))]
+        pick = max(quicker, key=lambda r: speeds.first(r.label).ratio) if quicker else pick
+    runner_up = next((r for r in kept if r.scheme != pick.scheme), None)
+    return Recommendation(budget, context, pick, runner_up, tied, None, smallest, smallest_kept, results.kl_floor,
+                          speeds)
+
+
+def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS,
+                    contexts: list[int] | None = None, speeds: SpeedTable | None = None) -> list[Recommendation]:
+    """`recommend` for every budget at every context (the committed ones by default)."""
+    return [recommend(results, b, c, speeds) for c in (contexts or results.contexts) for b in budgets]
 
 
 def standing(results: VerdictResults, scheme: str, budget: float, context: int) -> str:
-    """Where one scheme stands under a budget: whether it leads, or its best fitting row against the leader
-    (through `compare`), or that none of its rows fits."""
+    """Where one scheme stands under a budget: the recommendation, or its best row that fits and keeps the model
+    against the recommendation (through `compare`), or why none of its rows qualifies."""
     rec = recommend(results, budget, context)
     where = f"under {100 * budget:.0f}% at {context_label(context)}"
     own = [r for r in results.at(context) if r.scheme == scheme]
     if not own:
         raise ValueError(f"{results.model} has no {scheme} rows at {context}")
-    fits = sorted((r for r in own if r.share <= budget), key=lambda r: _rank(r, results.kl_floor))
+    fits = sorted((r for r in own if r.share <= budget), key=lambda r: r.interval(METRIC).estimate)
     if not fits:
         return f"{where}: no {scheme} row fits (its smallest share is {100 * min(r.share for r in own):.0f}%)"
-    if rec.best is fits[0]:
-        return f"{where}: {scheme} has the lowest mean KL ({fits[0].label})"
-    return f"{where}: " + compare(rec.best.label, rec.best.interval(METRIC), fits[0].label,
-                                  fits[0].interval(METRIC), "mean KL", floor=results.kl_floor).sentence()
+    kept = [r for r in fits if keeps_model(r)]
+    if not kept:
+        return (f"{where}: every {scheme} row that fits breaks the model (its best, {fits[0].label}, has mean KL "
+                f"{fits[0].interval(METRIC).text()})")
+    if rec.pick is kept[0]:
+        return f"{where}: {scheme} is the recommendation ({kept[0].label}, {rec.why})"
+    if kept[0] in rec.tied:
+        return (f"{where}: {kept[0].label} ({100 * kept[0].share:.0f}%) is as good as the best at this sample; "
+                f"{rec.pick.label} ({100 * rec.pick.share:.0f}%) is recommended for {rec.why}")
+    return f"{where}: " + compare(rec.pick.label, rec.pick.interval(METRIC), kept[0].label,
+                                  kept[0].interval(METRIC), "mean KL", floor=results.kl_floor).sentence()
 
 
-def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS,
-                    contexts: list[int] | None = None) -> list[Recommendation]:
-    """`recommend` for every budget at every context (the committed ones by default)."""
-    return [recommend(results, b, c) for c in (contexts or results.contexts) for b in budgets]
+# -- tables -------------------------------------------------------------------------------------------------------
+
+TABLE_HEAD = ("budget", "recommended (share)", "mean KL", "top-1", "GPU b1", "best other scheme (share)",
+              "95% intervals")
 
 
 def recommendation_table(recs: list[Recommendation]) -> str:
     """The recommendations as a plain-text table (what notebook 12 keeps and nbval checks)."""
-    head = ("budget", "recommended (share)", "best other scheme (share)", "95% intervals")
-    cells = [head] + [r.cells() for r in recs]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    cells = [TABLE_HEAD] + [r.cells() for r in recs]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(TABLE_HEAD))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
-def markdown_table(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS) -> str:
-    """Budgets down, contexts across: the lowest-KL scheme, its share and interval, and how it stands to the
-    runner-up (the README's and docs/results.md's table, checked against the committed file by the tests)."""
+def markdown_table(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS,
+                   speeds: SpeedTable | None = None) -> str:
+    """Budgets down, contexts across: the recommended row with its share, mean KL and top-1, and how it stands to
+    the runner-up (docs/results.md's table, checked against the committed file by the tests)."""
     head = " | ".join(f"{context_label(c)} tokens" for c in results.contexts)
     lines = [f"| budget (of fp16's bytes) | {head} |", "|---|" + "---|" * len(results.contexts)]
     for budget in budgets:
         cells = []
         for context in results.contexts:
-            rec = recommend(results, budget, context)
-            if rec.best is None:
-                cells.append(f"none fits (smallest {100 * rec.floor:.0f}%)")
+            rec = recommend(results, budget, context, speeds)
+            if rec.pick is None and rec.broken is None:
+                cells.append(f"none fits (smallest {100 * rec.smallest:.0f}%)")
                 continue
-            cell = f"**{rec.best.label}** {100 * rec.best.share:.0f}%, KL {rec.best.interval(METRIC).text()}"
+            if rec.pick is None:
+                cells.append(f"fits, but breaks ({rec.broken.label}, KL {rec.broken.interval(METRIC).estimate:.2g})"
+                             f": {rec.raise_to}")
+                continue
+            row = rec.pick
+            cell = (f"**{row.label}** {100 * row.share:.0f}%, KL {row.interval(METRIC).text()}, top-1 "
+                    f"{row.interval('top1').estimate:.2f}")
+            speed = rec.speed(row)
+            if speed is not None:
+                cell += f", GPU {speed.short()}"
             if rec.runner_up is not None:
-                word = ("ahead of" if rec.comparison.distinguishable else
-                        f"below {rec.kl_floor:g} with" if rec.comparison.below_floor else "indistinguishable from")
+                said = rec.comparison
+                word = ("ahead of" if said.distinguishable else
+                        f"below {rec.kl_floor:g} with" if said.below_floor else "as good as")
                 cell += (f"; {word} {rec.runner_up.label} ({100 * rec.runner_up.share:.0f}%, "
                          f"{rec.runner_up.interval(METRIC).text()})")
             cells.append(cell)
@@ -277,46 +455,7 @@ def markdown_table(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
     return "\n".join(lines)
 
 
-# -- the cost in speed ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SpeedRatio:
-    """A scheme's whole-model decode speed against mlx-lm's fp16 KVCache, over the contexts of one results file."""
-
-    label: str
-    file: str
-    machine: str
-    low: float
-    high: float
-    contexts: tuple[int, ...]
-    tokens: int
-    commit: str
-    model: str
-
-    def text(self) -> str:
-        low, high = f"{self.low:.2f}", f"{self.high:.2f}"
-        span = f"{low}x" if low == high else f"{low}-{high}x"
-        where = ", ".join(context_label(c) for c in sorted(set(self.contexts)))
-        name = "gmlx's fp16 cache" if self.label == BASELINE else self.label
-        return (f"{name}: {span} the decode speed of mlx-lm's fp16 KVCache, {self.model} on the {self.machine} "
-                f"at {where} (medians of {self.tokens} timed tokens; benchmarks/results/{self.file}, "
-                f"commit {self.commit})")
-
-
-def decode_speed(file: str, labels: tuple[str, ...] = ("fp16", "affine4 g64", "kvarn4 tail=1024",
-                                                       "kvarn6 tail=1024"),
-                 weight_bits: int = 16) -> list[SpeedRatio]:
-    """Each label's median decode speed as a share of mlx-lm KVCache's, from a committed model_decode file."""
-    data = json.loads((RESULTS_DIR / file).read_text())
-    machine = data.get("device", "unknown device")
-    commit = str(data.get("commit", "unknown"))[:7]
-    out = []
-    for label in labels:
-        rows = [r for r in data["rows"] if r["label"] == label and r.get("weight_bits", 16) == weight_bits]
-        if not rows:
-            raise ValueError(f"{file} has no row {label!r} with {weight_bits}-bit weights")
-        ratios = [r["decode_median_vs_mlx_lm_fp16"] for r in rows]
-        out.append(SpeedRatio(label, file, machine, min(ratios), max(ratios), tuple(r["context"] for r in rows),
-                              min(r["timed_tokens"] for r in rows), commit, str(data.get("model", "a model"))))
-    return out
+def speed_rows(recs: list[Recommendation], speeds: SpeedTable) -> list[dict[str, str]]:
+    """Each row recommended or named runner-up, once, with its decode speed in every committed setting."""
+    labels = list(dict.fromkeys(r.label for rec in recs for r in (rec.pick, rec.runner_up) if r is not None))
+    return [{"row": label, **{s.setting: s.short() for s in speeds.of(label)}} for label in labels]

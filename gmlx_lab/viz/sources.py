@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from ..measure.sizes import layer_shapes, policy_bytes
-from ..measure.verdict import RESULTS_DIR
 from ..models import FAMILIES, specimen
+from ..paths import RESULTS_DIR
 from ..policy import policy
 from ..registry import BASELINE
 
