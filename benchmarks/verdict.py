@@ -56,7 +56,10 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """The tree that ran: HEAD's short hash, with "-dirty" where tracked files other than results differed from it."""
+    """The tree that ran: GMLX_COMMIT where set (a copy of the tree without its .git, as on a GPU machine), else
+    HEAD's short hash, with "-dirty" where tracked files other than results differed from it."""
+    if os.environ.get("GMLX_COMMIT"):
+        return os.environ["GMLX_COMMIT"]
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
                               check=True).stdout.strip()
@@ -126,7 +129,8 @@ def run_jobs(args: argparse.Namespace, out: Path, data: dict[str, Any], work: di
         part.unlink(missing_ok=True)
     procs = [subprocess.Popen([sys.executable, __file__, "--model", args.model, "--contexts", str(c),
                                "--decode", str(args.decode), "--count", str(args.count), "--schemes", ",".join(s),
-                               "--out", str(part)]) for (c, s), part in zip(pieces, parts)]
+                               "--out", str(part)] + (["--memory-gb", str(args.memory_gb)] if args.memory_gb else []))
+             for (c, s), part in zip(pieces, parts)]
     print(f"{len(procs)} processes: " + "; ".join(f"{c} tokens x {len(s)} schemes" for c, s in pieces), flush=True)
 
     def stop(signum: int, frame: Any) -> None:
@@ -162,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure only the (context, scheme) rows the results file lacks (to go on after a stop)")
     parser.add_argument("--jobs", type=int, default=1, help="processes to split the rows over (see above)")
     parser.add_argument("--out", default=None, help="results file (default: verdict-<model>-<machine>.json)")
+    parser.add_argument("--memory-gb", type=float, default=None,
+                        help="MLX memory limit of each process (with --jobs, processes sharing one GPU must split it)")
     args = parser.parse_args(argv)
+    if args.memory_gb:
+        import mlx.core as mx
+
+        mx.set_memory_limit(int(args.memory_gb * 2**30))
+        mx.set_cache_limit(int(args.memory_gb * 2**28))
     specs = scheme_list(args.schemes)
     if args.kvarn_ext:
         specs = [with_ext(s) for s in specs]

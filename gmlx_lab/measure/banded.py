@@ -93,7 +93,11 @@ class _Runner:
         logits = self.parts[1](hidden)
         if before is not None:  # the split must give the model's own logits
             full = self.model(tokens[:, :1], cache=before).astype(mx.float32)
-            if not mx.allclose(full, logits[:, :1].astype(mx.float32), rtol=1e-3, atol=1e-3).item():
+            # the head's matmul over one row or many rounds differently; a softcap or scale moves logits by far more
+            # than a rounding step of the compute type (float16: about 1e-3 of the largest logit)
+            tolerance = 1e-4 if logits.dtype == mx.float32 else 1e-2
+            error = mx.abs(full - logits[:, :1].astype(mx.float32)).max() / mx.abs(full).max()
+            if error.item() > tolerance:
                 raise RuntimeError(f"{type(self.model).__name__}: its head applied to model.model's output does not "
                                    "give its logits (a final softcap or scale?); banded_fidelity cannot split it")
             self.checked = True
