@@ -137,7 +137,10 @@ def run_jobs(args: argparse.Namespace, out: Path, data: dict[str, Any], work: di
         for p in procs:
             p.terminate()
         for p in procs:
-            p.wait()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # a process stuck in the GPU runtime does not answer SIGTERM
+                p.kill()
         merge(out, data, parts)
         sys.exit(128 + signum)
 

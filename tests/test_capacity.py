@@ -69,9 +69,9 @@ def test_throughput_is_named_only_where_bands_are_apart() -> None:
     assert table.count("\n") == len(rows) + 1 and "x 32K" in table
 
 
-def test_readme_shows_the_committed_capacity_tables() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_results_doc_shows_the_committed_capacity_tables() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
     for name in ("batch_capacity-w16-128k-h200.json", "batch_capacity-w16-32k-h200.json",
                  "batch_capacity-w16-128k-h100-80gb-hbm3.json", "batch_capacity-w16-32k-h100-80gb-hbm3.json"):
         assert capacity.markdown_table(capacity.batch_rows(name)) in readme, (
-            f"README: paste gmlx_lab.measure.capacity.markdown_table(batch_rows({name!r}))")
+            f"docs/results.md: paste gmlx_lab.measure.capacity.markdown_table(batch_rows({name!r}))")

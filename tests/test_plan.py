@@ -242,8 +242,8 @@ def test_no_sentence_names_a_winner_where_intervals_overlap():
                 assert ("lower mean KL than" in said.sentence()) == (said.winner is not None)
 
 
-def test_readme_shows_the_committed_plan_tables():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_results_doc_shows_the_committed_plan_tables():
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
     for model in COMMITTED:
         assert markdown_table(load_plan_results(model)) in readme, (
-            f"README: paste gmlx_lab.measure.planner.markdown_table(load_plan_results({model!r}))")
+            f"docs/results.md: paste gmlx_lab.measure.planner.markdown_table(load_plan_results({model!r}))")

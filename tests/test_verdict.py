@@ -14,13 +14,20 @@ import pytest
 
 from gmlx_lab.measure import passages
 from gmlx_lab.measure.banded import VERDICT_SPECS, Row, banded_fidelity, split_head
-from gmlx_lab.measure.intervals import WINNER_WORDS, Interval, bootstrap, compare, wilson
+from gmlx_lab.measure.intervals import STEP_SPREAD, WINNER_WORDS, Interval, bootstrap, compare, wilson
+from gmlx_lab.measure.speed import Source, Speed, committed_speeds, read_source, speed_key
 from gmlx_lab.measure.verdict import (
+    BYTES_TIE,
     FP16_KL_FLOOR,
+    KEEP_KL,
+    KEEP_TOP1,
     VerdictResults,
     agreement,
-    decode_speed,
+    floor_evidence,
+    floor_gap,
+    keeps_model,
     load_verdict,
+    markdown_table,
     recommend,
     recommendation_table,
     recommendations,
@@ -172,32 +179,35 @@ def test_verdict_specs_cover_every_builtin_at_its_widths() -> None:
 # -- recommendations -------------------------------------------------------------------------------------------
 
 
-def _row(spec: str, share: float, kl: list[float], scheme: str = "x") -> Row:
+def _row(spec: str, share: float, kl: list[float], scheme: str = "x", top1: float = 0.97) -> Row:
     n = len(kl)
     return Row(spec, spec, scheme, 1024, "3/18", share * 100, 100.0,
-               {"mean_kl": kl, "median_kl": kl, "top1": [0.9] * n, "nll": [3.0] * n})
+               {"mean_kl": kl, "median_kl": kl, "top1": [top1] * n, "nll": [3.0] * n})
 
 
-def test_recommend_picks_the_lowest_kl_that_fits_and_compares_it() -> None:
+def test_recommend_takes_the_fewest_bytes_of_the_rows_as_good_as_the_best() -> None:
     rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("a8", 0.9, [1e-4] * 4 + [2e-4] * 4, "a"),
-            _row("a4", 0.55, [0.01] * 4 + [0.02] * 4, "a"), _row("k4", 0.5, [0.002] * 4 + [0.003] * 4, "k"),
-            _row("k3", 0.45, [0.0025] * 4 + [0.0035] * 4, "k"), _row("j3", 0.45, [0.0026] * 4 + [0.0036] * 4, "j")]
+            _row("a4", 0.55, [0.005] * 4 + [0.009] * 4, "a"), _row("k4", 0.5, [0.002] * 4 + [0.003] * 4, "k"),
+            _row("k3", 0.45, [0.0025] * 4 + [0.0035] * 4, "k"), _row("j3", 0.46, [0.0026] * 4 + [0.0036] * 4, "j")]
     results = VerdictResults("m", rows, [])
     rec = recommend(results, 0.6, 1024)
-    assert rec.best.spec == "k4" and rec.runner_up.spec == "j3"  # the runner-up is another scheme's best
-    assert rec.comparison.winner is None and "indistinguishable" in rec.text()
+    # k4 has the lowest KL; k3 and j3 overlap it and store fewer bytes: the smallest, k3, is the buy
+    assert rec.pick.spec == "k3" and {r.spec for r in rec.tied} == {"k4", "k3", "j3"}
+    assert rec.runner_up.spec == "j3"  # the runner-up is another scheme's best
+    assert rec.comparison.winner is None and "fewest bytes of the 3 rows" in rec.text()
+    assert rec.cells()[-1] == "overlap: the fewest bytes of the 3 rows as good at this sample"
     apart = recommend(results, 0.95, 1024)
-    assert (apart.best.spec, apart.runner_up.spec, apart.comparison.winner) == ("a8", "k4", "a8")
-    assert apart.cells()[-1] == "ahead" and apart.text().startswith("Under 95% of fp16's bytes at 1024 tokens: a8 has")
+    assert (apart.pick.spec, apart.runner_up.spec, apart.comparison.winner) == ("a8", "k4", "a8")
+    assert apart.cells()[-1] == "ahead" and apart.text().startswith("Under 95% of fp16's bytes at 1K tokens: use a8")
     none = recommend(results, 0.4, 1024)
-    assert none.best is None and "no measured scheme fits" in none.text() and "45%" in none.text()
-    assert standing(results, "k", 0.6, 1024) == "under 60% at 1K: k has the lowest mean KL (k4)"
+    assert none.pick is None and "no measured row fits" in none.text() and "45%" in none.text()
+    assert standing(results, "k", 0.6, 1024).startswith("under 60% at 1K: k is the recommendation (k3")
     assert "a8 has lower mean KL than k4" in standing(results, "k", 0.95, 1024)
     assert standing(results, "a", 0.5, 1024) == "under 50% at 1K: no a row fits (its smallest share is 55%)"
     with pytest.raises(ValueError, match="no z rows"):
         standing(results, "z", 0.6, 1024)
     alone = recommend(VerdictResults("m", rows[:3], []), 0.95, 1024)
-    assert alone.runner_up is None and "only a8 fits" in alone.text()
+    assert alone.runner_up is None and alone.cells()[-1] == "the only scheme that keeps the model"
     table = recommendation_table(recommendations(results, (0.95, 0.6), [1024]))
     assert table.splitlines()[1].split()[:4] == ["95%", "at", "1K", "a8"]
     with pytest.raises(ValueError, match="share of fp16"):
@@ -209,16 +219,109 @@ def test_recommend_picks_the_lowest_kl_that_fits_and_compares_it() -> None:
         partial.at(4096)
 
 
+def test_a_row_beaten_by_another_is_never_the_pick_though_it_overlaps_the_leader() -> None:
+    """Overlap is not transitive: a cheap row that overlaps the lowest-KL row but is apart from a third is out."""
+    rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("lead", 0.9, [0.001] * 4 + [0.005] * 4, "a"),
+            _row("mid", 0.8, [0.0016] * 4 + [0.0034] * 4, "b"), _row("cheap", 0.5, [0.004] * 4 + [0.008] * 4, "c")]
+    rec = recommend(VerdictResults("m", rows, []), 0.95, 1024)
+    assert rec.pick.spec == "mid" and "cheap" not in {r.spec for r in rec.tied}
+
+
+def test_a_row_under_the_quality_floor_is_never_recommended() -> None:
+    rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("a8", 0.9, [1e-4] * 8, "a"),
+            _row("a2", 0.4, [0.4] * 4 + [0.5] * 4, "a", top1=0.6), _row("t4", 0.5, [0.004] * 8, "t", top1=0.9)]
+    results = VerdictResults("m", rows, [])
+    assert not keeps_model(rows[2]) and not keeps_model(rows[3])  # KL too high; top-1 too low
+    rec = recommend(results, 0.6, 1024)
+    assert rec.pick is None and rec.broken.spec == "t4" and rec.smallest_kept == 0.9
+    assert rec.cells()[1] == "fits, but breaks" and rec.cells()[-1] == "raise the budget to 90%"
+    assert "Fits, but breaks: raise the budget to 90%" in rec.text()
+    assert "fits, but breaks" in markdown_table(results, (0.6,))
+    only = recommend(VerdictResults("m", rows[:1] + rows[2:], []), 0.6, 1024)
+    assert only.raise_to == "only fp16 keeps the model at this context"
+
+
+class _Speeds:
+    """A stand-in SpeedTable: one setting, the given step bands in ms (baseline 10 ms)."""
+
+    def __init__(self, bands: dict[str, tuple[float, float, float]]):
+        self.bands = bands
+
+    def _speed(self, label: str) -> Speed:
+        if label not in self.bands:
+            return Speed("GPU, batch 1", label, reason="not run")
+        median, low, high = self.bands[label]
+        return Speed("GPU, batch 1", label, label, Interval(median, low, high, 64, STEP_SPREAD), 10.0, "f.json")
+
+    def of(self, label: str) -> list[Speed]:
+        return [self._speed(label)]
+
+    def first(self, label: str) -> Speed:
+        return self._speed(label)
+
+    def pair(self, a: str, b: str) -> tuple[Speed, Speed] | None:
+        sa, sb = self._speed(a), self._speed(b)
+        return (sa, sb) if sa.measured and sb.measured else None
+
+    def faster(self, a: str, b: str) -> bool:
+        found = self.pair(a, b)
+        return found is not None and found[0].faster_than(found[1])
+
+
+def test_speed_breaks_a_tie_of_bytes_and_names_the_faster_buy() -> None:
+    rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("k4", 0.500, [0.002] * 4 + [0.003] * 4, "k"),
+            _row("q4", 0.495, [0.0021] * 4 + [0.0031] * 4, "q"), _row("f4", 0.6, [0.0022] * 4 + [0.0032] * 4, "f")]
+    results = VerdictResults("m", rows, [])
+    slow_q = _Speeds({"k4": (11, 10, 12), "q4": (50, 45, 55), "f4": (10, 9, 11)})
+    rec = recommend(results, 0.7, 1024, slow_q)
+    assert rec.pick.spec == "k4"  # within BYTES_TIE of q4's bytes, and its steps are apart from q4's, shorter
+    assert rec.why == "the faster decode of 2 rows equally small"
+    assert rec.speed(rec.pick).short() == "0.91x GPU b1"
+    even = recommend(results, 0.7, 1024, _Speeds({"k4": (11, 10, 12), "q4": (11.5, 10, 13)}))
+    assert even.pick.spec == "q4"  # bands overlap: no faster one, so the fewest bytes
+    assert even.faster is None
+    far = recommend(results, 0.7, 1024, _Speeds({"k4": (50, 45, 55), "q4": (50, 45, 55), "f4": (10, 9, 11)}))
+    assert far.pick.spec == "q4" and far.faster.spec == "f4"
+    assert "f4 is as good at this sample and decodes faster" in far.text() and "10 more points" in far.text()
+
+
+def test_the_quality_floor_sits_in_the_gap_of_the_lab_s_own_evidence() -> None:
+    """Below the floor every measured row retrieved passkeys as fp16 did; the first row that lost them lies above."""
+    evidence = floor_evidence(load_verdict("gemma3-270m"))
+    assert len(evidence) >= 20
+    safe, lost = floor_gap(evidence)
+    assert safe.row.interval("mean_kl").high < KEEP_KL < lost.row.interval("mean_kl").low
+    assert lost.row.interval("top1").estimate < KEEP_TOP1 <= min(
+        e.row.interval("top1").estimate for e in evidence if e.row.interval("mean_kl").estimate <= KEEP_KL)
+    assert all(e.kept_retrieval for e in evidence if keeps_model(e.row))
+    assert not lost.kept_retrieval and safe.kept_retrieval
+
+
+def test_no_committed_recommendation_breaks_the_model_or_is_the_larger_of_two_alike() -> None:
+    from gmlx_lab.measure.speed import committed_speeds
+
+    speeds = committed_speeds()
+    for model in ("smollm2-135m", "gemma3-270m", "teaching-llama"):
+        results = load_verdict(model)
+        for rec in recommendations(results, speeds=speeds):
+            if rec.pick is None:
+                continue
+            assert keeps_model(rec.pick)
+            alike = [r for r in rec.tied if r.share < rec.pick.share - BYTES_TIE]
+            assert not alike, (model, rec.budget, rec.context, rec.pick.label, [r.label for r in alike])
+            assert rec.speed(rec.pick).short()  # a speed, or "unmeasured"
+
+
 def test_rows_below_the_kl_floor_are_alike_and_the_smaller_is_recommended() -> None:
     rows = [_row("fp16", 1.0, [0.0] * 8, "fp16"), _row("a8", 0.9, [2e-5] * 8, "a"),
             _row("k8", 0.8, [3e-5] * 4 + [3.2e-5] * 4, "k"), _row("k4", 0.7, [0.002] * 8, "k")]
     on_gpu = VerdictResults("m", rows, [{"machine": {"tag": "h200"}}])
     assert on_gpu.kl_floor == FP16_KL_FLOOR and VerdictResults("m", rows, [{"machine": {"tag": "cpu"}}]).kl_floor == 0
     rec = recommend(on_gpu, 0.95, 1024)
-    assert (rec.best.spec, rec.runner_up.spec) == ("k8", "a8")  # both under the floor: fewer bytes first
-    assert rec.cells()[-1] == f"both below {FP16_KL_FLOOR:g}" and rec.comparison.winner is None
+    assert (rec.pick.spec, rec.runner_up.spec) == ("k8", "a8")  # both under the floor: fewer bytes first
+    assert rec.cells()[-1].startswith(f"both below {FP16_KL_FLOOR:g}") and rec.comparison.winner is None
     on_cpu = recommend(VerdictResults("m", rows, [{"machine": {"tag": "cpu"}}]), 0.95, 1024)
-    assert (on_cpu.best.spec, on_cpu.comparison.winner) == ("a8", "a8")  # float32: the small KL is read
+    assert (on_cpu.pick.spec, on_cpu.comparison.winner) == ("a8", "a8")  # float32: the small KL is read
 
 
 def test_committed_machines_agree_above_the_floor_and_not_below() -> None:
@@ -248,14 +351,20 @@ def test_committed_verdict_loads_with_intervals() -> None:
         load_verdict("no-such-model")
 
 
-def test_decode_speed_reads_the_committed_ratios() -> None:
-    h200 = {s.label: s for s in decode_speed("model_decode-h200.json")}
-    assert h200["kvarn4 tail=1024"].high < 1 and h200["affine4 g64"].high < 1  # quantized decode is slower today
-    assert "model_decode-h200.json" in h200["fp16"].text()
-    now = decode_speed("model_decode-427c680-h200.json", ("affine4 g64", "kvarn4 tail=1024"))
-    assert all(s.high <= 1 for s in now)  # notebooks 08 and 12: no quantized cache decodes faster at batch 1
-    with pytest.raises(ValueError, match="no row"):
-        decode_speed("model_decode-h200.json", ("nosuch",))
+def test_speeds_are_read_side_by_side_from_the_committed_files() -> None:
+    assert speed_key("kvarn4 tail=128 ext") == "kvarn4" and speed_key("affine4 g64") == "affine4 g64"
+    speeds = committed_speeds()
+    gpu = speeds.of("kvarn4 tail=128")[0]
+    assert gpu.measured and gpu.measured_as == "kvarn4 tail=1024" and "read from kvarn4 tail=1024" in gpu.text()
+    assert 0 < gpu.ratio < 2 and gpu.step_ms.n >= 60
+    cpu = speeds.first("kivi4 tail=128")  # the GPU files have no KIVI row: the CPU's is the first measured
+    assert cpu.tag == "CPU b1" and cpu.measured
+    lost = speeds.first("nosuch9")
+    assert not lost.measured and lost.short() == "unmeasured" and "no row in" in lost.text()
+    with pytest.raises(ValueError, match="KVCache"):
+        read_source(Source("x", "model_decode-cpu.json", 12345))
+    with pytest.raises(FileNotFoundError, match="model_decode"):
+        read_source(Source("x", "nosuch.json", 1))
 
 
 # -- notebooks state a winner only through compare --------------------------------------------------------------
@@ -290,7 +399,8 @@ def test_cli_verdict_prints_the_table_and_refuses_bad_budgets(capsys: pytest.Cap
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:2] == ["budget", "recommended"] and "passages" in out
     assert cli.main(["verdict", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["budget"] == 0.95
+    first = json.loads(capsys.readouterr().out)[0]
+    assert first["budget"] == 0.9 and "text" in first and "speed" in first
     assert cli.main(["verdict", "--budgets", "most"]) == 2
     assert "--budgets takes shares" in capsys.readouterr().err
     assert cli.main(["verdict", "--model", "nosuch"]) == 1

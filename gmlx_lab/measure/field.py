@@ -76,6 +76,13 @@ class Case:
     def name(self) -> str:
         return f"{self.model}.{self.policy}.{self.length // 1024}k"
 
+    @property
+    def inside_training(self) -> bool:
+        """False where the length is past the context the model was trained on (its results then rank nothing)."""
+        from ..models import TRAINED_CONTEXT
+
+        return self.length <= TRAINED_CONTEXT.get(self.model, self.length)
+
 
 CASES: tuple[Case, ...] = (
     Case("teaching-llama", "default", 1024), Case("teaching-llama", "default", 4096),

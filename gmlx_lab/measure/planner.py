@@ -121,6 +121,11 @@ class Sensitivity:
         return base + sum(max(0.0, self.kl(part, layer, widths[name]) - base)
                           for part, name in (("K", "k_bits"), ("V", "v_bits")))
 
+    def at_width(self, width: int) -> dict[int, float]:
+        """Each probed layer's predicted KL with K and V both at `width` (the layers' fragility, side by side)."""
+        names = {name: width for name in self.names}
+        return {layer: self.predicted(layer, names) for layer in self.layers}
+
     def choices(self, layer: int, tied: bool = False) -> list[Choice]:
         """Every way to store the layer, fp16 first (`tied`: K and V at one width, where the scheme splits them)."""
         out = [Choice(None, self.bytes[str(layer)]["fp16"], 0.0)]

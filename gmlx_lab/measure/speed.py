@@ -79,8 +79,13 @@ class Speed:
         return self.baseline_ms / self.step_ms.estimate if self.step_ms is not None else None
 
     def short(self) -> str:
-        """'0.87x' or 'unmeasured'."""
-        return f"{self.ratio:.2f}x" if self.measured else "unmeasured"
+        """'0.87x GPU b1' or 'unmeasured'."""
+        return f"{self.ratio:.2f}x {self.tag}" if self.measured else "unmeasured"
+
+    @property
+    def tag(self) -> str:
+        """The setting in short: 'GPU, batch 1' -> 'GPU b1'."""
+        return self.setting.replace(", batch ", " b")
 
     def text(self) -> str:
         """The ratio with where it comes from, or why there is none."""
@@ -102,7 +107,7 @@ class Speed:
 
 @dataclass(frozen=True)
 class SpeedFile:
-    """The rows of one `Source`, by `speed_key`."""
+    """The rows of one `Source`, by label and by `speed_key`."""
 
     source: Source
     rows: dict[str, dict]
@@ -112,7 +117,7 @@ class SpeedFile:
 
     def of(self, label: str) -> Speed:
         setting, file = self.source.setting, self.source.file
-        row = self.rows.get(speed_key(label))
+        row = self.rows.get(label) or self.rows.get(speed_key(label))
         if row is None:
             return Speed(setting, label, file=file, reason=f"{speed_key(label)} has no row in {file} (commit "
                                                             f"{self.commit})")
@@ -138,7 +143,8 @@ def read_source(source: Source, folder: Path | None = None) -> SpeedFile:
     if base is None:
         raise ValueError(f"{source.file} has no {BASELINE_LABEL} row at {source.context} tokens and "
                          f"{source.weight_bits}-bit weights: nothing to take a ratio to")
-    by_key = {speed_key(r["label"]): r for r in rows if r["label"] != BASELINE_LABEL and ", " not in r["label"]}
+    mine = [r for r in rows if r["label"] != BASELINE_LABEL and ", " not in r["label"]]  # ", ": probes, paths
+    by_key = {**{speed_key(r["label"]): r for r in mine}, **{r["label"]: r for r in mine}}
     median = base.get("decode_ms_median", base.get("step_ms_median"))
     return SpeedFile(source, by_key, float(median), str(data.get("commit", "unknown"))[:7],
                      str(data.get("device", "unknown device")))
@@ -155,8 +161,25 @@ class SpeedTable:
         return [f.of(label) for f in self.files]
 
     def first(self, label: str) -> Speed:
-        """The row's speed in the first setting (the GPU at batch 1): what the verdict's tie rule reads."""
-        return self.files[0].of(label)
+        """The row's speed in the first setting that measured it (GPU before CPU), else why the first did not."""
+        found = self.of(label)
+        if any(s.measured for s in found):
+            return next(s for s in found if s.measured)
+        files = ", ".join(f.source.file for f in self.files)
+        return Speed(found[0].setting, label, reason=f"{speed_key(label)} has no row in {files}")
+
+    def pair(self, a: str, b: str) -> tuple[Speed, Speed] | None:
+        """Two rows' speeds from the first setting that measured both (one run: a fair comparison), or None."""
+        for f in self.files:
+            sa, sb = f.of(a), f.of(b)
+            if sa.measured and sb.measured:
+                return sa, sb
+        return None
+
+    def faster(self, a: str, b: str) -> bool:
+        """True where row a decodes faster than row b in the first setting that measured both (`Speed.faster_than`)."""
+        found = self.pair(a, b)
+        return found is not None and found[0].faster_than(found[1])
 
 
 def committed_speeds(sources: tuple[Source, ...] = SOURCES) -> SpeedTable:

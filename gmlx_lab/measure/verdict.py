@@ -274,7 +274,7 @@ class Recommendation:
                        self.runner_up.interval(METRIC), "mean KL", floor=self.kl_floor)
 
     def speed(self, row: Row) -> Speed | None:
-        """The row's decode speed on the GPU at batch 1 (the first committed setting), where speeds were given."""
+        """The row's decode speed in the first setting that measured it (GPU before CPU), where speeds were given."""
         return self.speeds.first(row.label) if self.speeds is not None else None
 
     @property
@@ -294,8 +294,7 @@ class Recommendation:
         """A row as good as the pick at this sample whose decode is faster (GPU, batch 1), at more bytes."""
         if self.pick is None or self.speeds is None:
             return None
-        mine = self.speed(self.pick)
-        quicker = [r for r in self.tied if self.speed(r).faster_than(mine)]
+        quicker = [r for r in self.tied if self.speeds.faster(r.label, self.pick.label)]
         return min(quicker, key=lambda r: r.share) if quicker else None
 
     @property
@@ -306,7 +305,7 @@ class Recommendation:
         return f"raise the budget to {math.ceil(100 * self.smallest_kept - 1e-9):.0f}%"
 
     def cells(self) -> tuple[str, ...]:
-        """(budget, recommended, mean KL, top-1, GPU speed, best other scheme, verdict) as short table cells."""
+        """(budget, recommended, mean KL, top-1, decode speed, best other scheme, verdict) as short table cells."""
         budget = f"{100 * self.budget:.0f}% at {context_label(self.context)}"
         if self.pick is None and self.broken is None:
             return budget, "none fits", "", "", "", "", f"the smallest measured share is {100 * self.smallest:.0f}%"
@@ -341,14 +340,15 @@ class Recommendation:
         speed = self.speed(row)
         out = (f"{where}: use {row.label} ({100 * row.share:.0f}% of fp16's bytes, mean KL "
                f"{row.interval(METRIC).text()}, top-1 {row.interval('top1').text()}"
-               + (f"; {speed.setting}: {speed.short()} fp16's decode speed" if speed else "") + f"), {self.why}.")
+               + (f"; decode {speed.short()} against fp16" if speed else "") + f"), {self.why}.")
         if self.runner_up is not None:
             out += " " + self.comparison.sentence()
         if self.faster is not None:
-            fast, mine = self.speed(self.faster), self.speed(row)
+            fast, mine = self.speeds.pair(self.faster.label, row.label)
             out += (f" {self.faster.label} is as good at this sample and decodes faster ({fast.setting}: "
-                    f"{fast.short()} against {mine.short()}) for {100 * (self.faster.share - row.share):.0f} more "
-                    "points of fp16's bytes: the buy where speed counts more than those bytes.")
+                    f"{fast.ratio:.2f}x fp16's tokens/s against {mine.ratio:.2f}x, step bands apart) for "
+                    f"{100 * (self.faster.share - row.share):.0f} more points of fp16's bytes: the buy where speed "
+                    "counts more than those bytes.")
         return out
 
 
@@ -371,7 +371,7 @@ def recommend(results: VerdictResults, budget: float, context: int, speeds: Spee
     near = sorted((r for r in tied if r.share < least + BYTES_TIE), key=lambda r: r.share)
     pick = near[0]
     if speeds is not None:
-        quicker = [r for r in near[1:] if speeds.first(r.label).faster_than(speeds.first(pick.label))]
+        quicker = [r for r in near[1:] if speeds.faster(r.label, pick.label)]
         pick = max(quicker, key=lambda r: speeds.first(r.label).ratio) if quicker else pick
     runner_up = next((r for r in kept if r.scheme != pick.scheme), None)
     return Recommendation(budget, context, pick, runner_up, tied, None, smallest, smallest_kept, results.kl_floor,
@@ -399,8 +399,8 @@ def standing(results: VerdictResults, scheme: str, budget: float, context: int) 
     if not kept:
         return (f"{where}: every {scheme} row that fits breaks the model (its best, {fits[0].label}, has mean KL "
                 f"{fits[0].interval(METRIC).text()})")
-    if rec.pick is kept[0]:
-        return f"{where}: {scheme} is the recommendation ({kept[0].label}, {rec.why})"
+    if rec.pick.scheme == scheme:
+        return f"{where}: {scheme} is the recommendation ({rec.pick.label}, {rec.why})"
     if kept[0] in rec.tied:
         return (f"{where}: {kept[0].label} ({100 * kept[0].share:.0f}%) is as good as the best at this sample; "
                 f"{rec.pick.label} ({100 * rec.pick.share:.0f}%) is recommended for {rec.why}")
@@ -410,7 +410,7 @@ def standing(results: VerdictResults, scheme: str, budget: float, context: int) 
 
 # -- tables -------------------------------------------------------------------------------------------------------
 
-TABLE_HEAD = ("budget", "recommended (share)", "mean KL", "top-1", "GPU b1", "best other scheme (share)",
+TABLE_HEAD = ("budget", "recommended (share)", "mean KL", "top-1", "decode speed", "best other scheme (share)",
               "95% intervals")
 
 
@@ -443,7 +443,7 @@ def markdown_table(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
                     f"{row.interval('top1').estimate:.2f}")
             speed = rec.speed(row)
             if speed is not None:
-                cell += f", GPU {speed.short()}"
+                cell += f", decode {speed.short()}"
             if rec.runner_up is not None:
                 said = rec.comparison
                 word = ("ahead of" if said.distinguishable else
@@ -459,3 +459,57 @@ def speed_rows(recs: list[Recommendation], speeds: SpeedTable) -> list[dict[str,
     """Each row recommended or named runner-up, once, with its decode speed in every committed setting."""
     labels = list(dict.fromkeys(r.label for rec in recs for r in (rec.pick, rec.runner_up) if r is not None))
     return [{"row": label, **{s.setting: s.short() for s in speeds.of(label)}} for label in labels]
+
+
+# -- the verdict in five sentences ------------------------------------------------------------------------------
+
+LEAD_MODEL = "smollm2-135m"  # every layer grows, as in Llama or Qwen: the verdict's first answer
+SECOND_MODEL = "gemma3-270m"  # sliding windows: most layers stay fp16, so its shares stay high
+
+
+def summary(speeds: SpeedTable) -> list[str]:
+    """The README's verdict: five sentences read from the committed files, each naming where it comes from."""
+    lead, second = load_verdict(LEAD_MODEL), load_verdict(SECOND_MODEL)
+    safe, lost = floor_gap(floor_evidence(second))
+    out = [f"**The floor.** A cache is recommended only where it keeps the model: {floor_text()} against fp16, "
+           f"set in the gap on {second.model} between the last row clearly below any loss of passkey retrieval "
+           f"({safe.row.label} at {context_label(safe.row.context)}, mean KL {safe.row.interval(METRIC).text()}) "
+           f"and the first to lose it ({lost.row.label} at {context_label(lost.row.context)}, "
+           f"{lost.retrieval.estimate * lost.retrieval.n:.0f} of {lost.retrieval.n} keys against fp16's "
+           f"{lost.fp16.estimate * lost.fp16.n:.0f}) (`field-h200.json`, `{second.path.name}`)."]
+    context = lead.contexts[-1]
+    picks = []
+    for budget in (0.5, 0.3):
+        rec = recommend(lead, budget, context, speeds)
+        if rec.pick is not None:
+            picks.append(f"under {100 * budget:.0f}% of fp16's bytes {rec.pick.label} ({100 * rec.pick.share:.0f}%, "
+                         f"mean KL {rec.pick.interval(METRIC).text()}, {rec.why})")
+        else:
+            picks.append(f"under {100 * budget:.0f}% nothing that fits keeps the model ({rec.raise_to})")
+    out.append(f"**A model whose every layer grows.** On {lead.model} at {context_label(context)} tokens, "
+               + "; ".join(picks) + f" (`{lead.path.name}`, eight passages, 95% intervals).")
+    smallest = [(c, recommend(lead, 1.0, c).smallest_kept) for c in lead.contexts]
+    out.append("**Longer contexts reach smaller caches.** The smallest row that keeps " + lead.model + " stores "
+               + ", ".join(f"{100 * s:.0f}% of fp16's bytes at {context_label(c)}" for c, s in smallest if s)
+               + ": the fp16 sink and tails are a fixed cost that a longer context spreads thinner.")
+    at = second.contexts[-1]
+    rows = [r for r in second.at(at) if r.scheme != BASELINE]
+    layers = rows[0].quantized_layers
+    out.append(f"**A model of sliding windows.** {second.model}'s policy quantizes {layers} layers (the sliding "
+               f"windows and the last layer stay fp16), so at {context_label(at)} no row stores less than "
+               f"{100 * min(r.share for r in rows):.0f}% of fp16's bytes and the smallest that keeps the model "
+               f"{100 * recommend(second, 1.0, at).smallest_kept:.0f}% (`{second.path.name}`).")
+    cpu = [s for f in speeds.files if f.source.setting.startswith("CPU") for s in
+           (f.of(r.label) for r in lead.at(lead.contexts[0]) if r.scheme != BASELINE) if s.measured]
+    gpu = [s for f in speeds.files if f.source.setting == "GPU, batch 1" for s in
+           (f.of(label) for label in ("kvarn4 tail=1024", "affine4 g64")) if s.measured]
+    text = "**Speed.** At batch 1 the quantized caches decode at "
+    if cpu:
+        text += (f"{min(s.ratio for s in cpu):.2f}-{max(s.ratio for s in cpu):.2f}x fp16's tokens/s on this "
+                 f"project's CPU (`{cpu[0].file}`; KIVI, TurboQuant and the float formats at the low end: they decode "
+                 "their whole cache every step)")
+    if gpu:
+        text += ("; on the GPU " + ", ".join(f"{s.measured_as} at {s.ratio:.2f}x" for s in gpu)
+                 + f" (`{gpu[0].file}`, {gpu[0].device})")
+    out.append(text + ". A quantized cache buys memory; docs/gpu-performance.md says where that memory buys speed.")
+    return out

@@ -29,6 +29,7 @@ from gmlx_lab.models.specimens import FAMILIES, Family, families, specimen
 __all__ = [
     "BUNDLED_MODEL_DIR",
     "BUNDLED_NAME",
+    "TRAINED_CONTEXT",
     "FAMILIES",
     "Family",
     "ModelInfo",
@@ -43,6 +44,9 @@ __all__ = [
 
 BUNDLED_NAME = "teaching-llama"
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "teaching_llama"
+# The longest context each shipped model was trained on (the bundled model: its training windows; the others: their
+# model cards), so a measurement past it can say so.
+TRAINED_CONTEXT = {BUNDLED_NAME: 2048, "smollm2-135m": 8192, "gemma3-270m": 32768}
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 

@@ -81,7 +81,7 @@ from .sources import (
 )
 from .style import context_ticks, figure_problems, log_ticks, num, scheme_color, scheme_colors, trace_styles
 from .tradeoff import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
-from .verdict import verdict_figure
+from .verdict import floor_figure, verdict_figure
 
 __all__ = [
     "AffineRow", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "LayerShape", "REAL_DENSE_CONFIGS", "REGION_COLORS",
@@ -100,7 +100,7 @@ __all__ += ["Say", "say"]
 __all__ += ["SchemeIdea", "field_kl_figure", "field_passkey_figure", "idea_figure", "scheme_idea"]
 __all__ += ["context_ticks", "log_ticks"]
 __all__ += ["butterfly_slider", "capacity_figure", "normalize_slider", "regions_slider", "scale_spans",
-            "slider_figure", "verdict_figure"]
+            "slider_figure", "verdict_figure", "floor_figure"]
 __all__ += ["plan_figure", "plan_slider", "plan_versus_uniform", "sensitivity_figure"]
 __all__ += ["EXAMPLE_MODEL", "EXAMPLE_TOKENS", "RunningExample", "example_model", "running_example"]
 __all__ += ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]

@@ -1,4 +1,5 @@
-"""Notebook 12's figure: KL with its band against memory share, one frame per context, a slider between them."""
+"""Notebook 12's figures: KL with its band against memory share (a slider over contexts), and the quality floor's
+evidence (passkey retrieval against KL)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import plotly.graph_objects as go
 
 from ..measure.banded import Row
-from ..measure.verdict import BUDGETS, METRIC, VerdictResults, context_label
+from ..measure.verdict import BUDGETS, KEEP_KL, METRIC, Evidence, VerdictResults, context_label
 from ..registry import BASELINE
 from .style import frame_slider, log_ticks, num, trace_styles
 
@@ -92,4 +93,36 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
         sliders=[frame_slider([context_label(c) for c in contexts], "context: ")]
         if len(contexts) > 1 else [],  # one context: nothing to slide to
         legend={"font": {"size": 11}, "title": {"text": "scheme (labels: bits)"}})
+    return fig
+
+
+def floor_figure(evidence: list[Evidence]) -> go.Figure:
+    """Passkey keys retrieved against mean KL, one point a (scheme, context) the field and the verdict both ran;
+    the quality floor's mean KL as a line, rows that lost fp16's retrieval (Wilson intervals apart) in red."""
+    kept = [e for e in evidence if e.kept_retrieval]
+    lost = [e for e in evidence if not e.kept_retrieval]
+
+    def trace(items: list[Evidence], name: str, color: str, symbol: str) -> go.Scatter:
+        return go.Scatter(
+            x=[e.row.interval(METRIC).estimate for e in items], y=[100 * e.retrieval.estimate for e in items],
+            mode="markers", name=name, marker={"color": color, "size": 9, "symbol": symbol},
+            error_y={"type": "data", "symmetric": False, "thickness": 1,
+                     "array": [100 * (e.retrieval.high - e.retrieval.estimate) for e in items],
+                     "arrayminus": [100 * (e.retrieval.estimate - e.retrieval.low) for e in items]},
+            customdata=[[e.row.label, context_label(e.row.context), num(e.row.interval("top1").estimate)]
+                        for e in items],
+            hovertemplate="%{customdata[0]} at %{customdata[1]}<br>mean KL %{x:.3g}, top-1 %{customdata[2]}<br>"
+                          "keys found %{y:.0f}%<extra></extra>")
+
+    fig = go.Figure([trace(kept, "retrieval as fp16's (intervals overlap)", "#2ca02c", "circle"),
+                     trace(lost, "lost keys (Wilson intervals apart from fp16's)", "#d62728", "x")])
+    fig.add_vline(x=KEEP_KL, line={"color": "#444444", "dash": "dash"},
+                  annotation_text=f"floor: mean KL {KEEP_KL:g}", annotation_position="bottom left")
+    values = [e.row.interval(METRIC).estimate for e in evidence if e.row.interval(METRIC).estimate > 0]
+    fig.update_layout(
+        title="Where a cache starts to break: passkey retrieval against mean KL, one point a scheme and context",
+        height=460, xaxis={"title": "mean KL(fp16 || scheme), nats (log; rows of KL 0 left out)", "type": "log",
+                           **log_ticks(values)},
+        yaxis={"title": "passkey keys found, % of 48 (Wilson 95% interval)", "range": [-5, 105]},
+        legend={"orientation": "h", "y": -0.25})
     return fig
