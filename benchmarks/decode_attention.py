@@ -21,10 +21,10 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-from gmlx_lab.cache.affine import AffineCache
-from gmlx_lab.cache.kvarn import KVarNCache
+from gmlx_lab.cache.affine.cache import AffineCache
+from gmlx_lab.cache.kvarn.cache import KVarNCache
+from gmlx_lab.cache.kvarn.records import encode_tokens
 from gmlx_lab.kernels import active_backend, config, precompiled, seal_records
-from gmlx_lab.records import encode_tokens
 
 HQ, HKV, D = 32, 8, 128
 

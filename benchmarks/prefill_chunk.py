@@ -34,8 +34,8 @@ from model_decode import device_name, git_commit
 
 from gmlx_lab import mlx_lm_hooks
 from gmlx_lab.cache import AffineCache, FP16Cache, KVarNCache
+from gmlx_lab.cache.kvarn.records import TILE, encode_tokens
 from gmlx_lab.kernels import active_backend, seal_records
-from gmlx_lab.records import TILE, encode_tokens
 
 HQ, HKV, D = 32, 8, 128
 SCHEMES: dict[str, Callable[[], Any]] = {

@@ -6,7 +6,7 @@ leave the GPU idle; too many spend each threadgroup's fixed work (queries in, pa
 little. For each context (one query token, 32 q / 8 kv heads, head_dim 128, random K/V): fp16 SDPA, then
 affine4/affine8 at several tiles per split and kvarn6/kvarn4 at several units per warp, each timed as
 decode_attention.py times (median of `--repeats` batches of `--iters` calls, each batch in one mx.eval), with
-`default` marking the split the plan picks now (decode.affine_plan, decode.kvarn_plan).
+`default` marking the split the plan picks now (affine.affine_plan, kvarn.kvarn_plan).
 Usage: python benchmarks/split_sweep.py --out benchmarks/results/split_sweep-h200.json
 """
 
@@ -20,17 +20,12 @@ import mlx.core as mx
 from decode_attention import HKV, HQ, D, timed
 from model_decode import device_name, git_commit
 
-from gmlx_lab.cache.affine import AffineCache
-from gmlx_lab.cache.kvarn import KVarNCache
+from gmlx_lab.cache.affine.cache import AffineCache
+from gmlx_lab.cache.kvarn.cache import KVarNCache
 from gmlx_lab.kernels import active_backend, config
-from gmlx_lab.kernels.decode import (
-    affine_partials,
-    affine_plan,
-    group_queries,
-    kvarn_partials,
-    kvarn_plan,
-    merge_splits,
-)
+from gmlx_lab.kernels.affine import affine_partials, affine_plan
+from gmlx_lab.kernels.kvarn import kvarn_partials, kvarn_plan
+from gmlx_lab.kernels.splits import group_queries, merge_splits
 
 AFFINE_TILES = (1, 2, 4, 8, 16, 32)
 KVARN_PER_WARP = (1, 2, 3, 4, 6, 8)

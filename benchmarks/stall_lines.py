@@ -46,8 +46,9 @@ def kvarn_signature(bits: int) -> tuple[list[tuple[str, str]], list[tuple[str, s
     it runs: the dtypes are those the caches pass."""
     import mlx.core as mx
 
-    from gmlx_lab.kernels import decode
-    from gmlx_lab.records import KV, KvarnParts, encode_tokens
+    from gmlx_lab.cache.buffers import KV
+    from gmlx_lab.cache.kvarn.records import KvarnParts, encode_tokens
+    from gmlx_lab.kernels import kvarn, splits
 
     seen: dict[str, Any] = {}
 
@@ -60,14 +61,14 @@ def kvarn_signature(bits: int) -> tuple[list[tuple[str, str]], list[tuple[str, s
     k, v = x[0], x[1]
     body = KV(*(encode_tokens(mx.hadamard_transform(t[:, :, 128:384]), bits, kind) for t, kind in ((k, "k"), (v, "v"))))
     parts = KvarnParts(KV(k[:, :, :128], v[:, :, :128]), body, KV(k[:, :, 384:], v[:, :, 384:]), 130)
-    qg = decode.group_queries(mx.random.normal((1, 4, 1, 128)).astype(mx.float16), 2)
-    original, decode.launch = decode.launch, stop
+    qg = splits.group_queries(mx.random.normal((1, 4, 1, 128)).astype(mx.float16), 2)
+    original, kvarn.launch = kvarn.launch, stop
     try:
-        decode.kvarn_partials(qg, 0.09, parts, 1, False, per_warp=1)
+        kvarn.kvarn_partials(qg, 0.09, parts, 1, False, per_warp=1)
     except StopIteration:
         pass
     finally:
-        decode.launch = original
+        kvarn.launch = original
     return seen["inputs"], seen["outputs"]
 
 

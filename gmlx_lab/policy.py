@@ -17,7 +17,7 @@ policy packs it with affine like DeepSeek-V3.
 Overrides, for exploration (`Overrides`; the default is gmlx's rule): `layers` quantizes only the listed
 layers, `fp16_layers` keeps the listed ones fp16, `quantize_last` quantizes the last of a deep stack, and
 `quantize_sliding` the sliding-window layers. A quantized sliding layer holds a rolling window of the
-scheme's cache (gmlx_lab/window.py: the 128-token sink and whole groups of 128; `sliding_hold` tokens, at
+scheme's cache (gmlx_lab/cache/window.py: the 128-token sink and whole groups of 128; `sliding_hold` tokens, at
 least the model's window plus two groups) and hands the model what mlx-lm's RotatingKVCache would: the
 newest window - 1 tokens before each update, then the update, with RotatingKVCache's masks
 (`GmlxCache.set_sliding`). So the model's own sliding mask, which mlx-lm builds once from the first
@@ -37,8 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from . import window
-from .cache import GmlxCache
+from .cache import GmlxCache, window
 from .kernels import precompiled, selfcheck
 from .plans import Plan, load_plan, widths_label
 from .registry import BASELINE, Scheme, get_scheme

@@ -160,7 +160,7 @@ class Scheme:
 
     def check_window(self, max_kv_size: int, options: dict[str, Any], where: str) -> None:
         """Refuse a rolling window (`max_kv_size`) this scheme's layers cannot roll: the rule is its cache's
-        (`window_check`, e.g. the shared one of gmlx_lab/window.py), asked of a fresh cache."""
+        (`window_check`, e.g. the shared one of gmlx_lab/cache/window.py), asked of a fresh cache."""
         self.make_cache(options).window_check(max_kv_size, where)
 
     def token_region(self, position: int, tokens: int, newest: int, options: dict[str, Any]) -> str:

@@ -12,11 +12,11 @@ import pytest
 from conftest import random_kv, tiny_llama
 
 import gmlx_lab
-from gmlx_lab.cache.affine import AffineRotCache
+from gmlx_lab.cache.affine.cache import AffineRotCache
 from gmlx_lab.cache.float import FORMATS
+from gmlx_lab.cache.rotation import rotation_problem
 from gmlx_lab.cache.turboquant import gaussian_codebook, pack_bits, unpack_bits
 from gmlx_lab.registry import SCHEMES, get_scheme
-from gmlx_lab.rotation import rotation_problem
 from gmlx_lab.specs import parse_scheme_spec, scheme_label
 from gmlx_lab.viz.style import scheme_color, trace_styles
 
@@ -274,7 +274,7 @@ def test_caches_built_by_hand_check_their_options_and_fill_defaults():
 
 def test_head_dims_a_scheme_cannot_encode_stay_fp16_with_the_reason():
     """head_dim 80: no groups of 32 (float, kivi), and a Hadamard transform that is not its own inverse
-    (gmlx_lab/rotation.py: turboquant, and float with its rotation, whose groups of 16 would fit)."""
+    (gmlx_lab/cache/rotation.py: turboquant, and float with its rotation, whose groups of 16 would fit)."""
     model = tiny_llama(layers=2, head_dim=80)
     for spec, why in (("turboquant4", "cannot rotate K heads: head_dim 80 = 20 x 4: MLX's Hadamard transform at "
                                       "this size is not its own inverse"),
@@ -306,7 +306,7 @@ def test_every_scheme_has_its_own_colour_and_affine_rot_names_llama_cpp():
 
 @pytest.mark.parametrize("head_dim", [32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 224, 256])
 def test_rotation_rule_matches_mlx_hadamard(head_dim: int) -> None:
-    """gmlx_lab/rotation.py's rule is what mx.hadamard_transform does: accepted sizes undo themselves, the others
+    """gmlx_lab/cache/rotation.py's rule is what mx.hadamard_transform does: accepted sizes undo themselves, the others
     do not (sizes MLX has no transform for are not probed: they can crash the process)."""
     eye = mx.eye(head_dim)
     twice = mx.hadamard_transform(mx.hadamard_transform(eye))

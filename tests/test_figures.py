@@ -28,7 +28,7 @@ from gmlx_lab import viz
 from gmlx_lab.measure import tradeoff
 from gmlx_lab.measure.capacity import batch_rows
 from gmlx_lab.measure.planner import load_plan_results
-from gmlx_lab.measure.verdict import load_verdict
+from gmlx_lab.measure.verdict import floor_evidence, load_verdict
 from gmlx_lab.models import specimen
 
 RESULT = viz.benchmark_results
@@ -155,6 +155,7 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "weights_kv_figure": lambda: [viz.weights_kv_figure(_beyond("weights_kv"))],
     "capacity_figure": lambda: [viz.capacity_figure(
         batch_rows("batch_capacity-w16-128k-h200.json") + batch_rows("batch_capacity-w16-32k-h200.json"), "capacity")],
+    "floor_figure": lambda: [viz.floor_figure(floor_evidence(load_verdict("gemma3-270m")))],
     "verdict_figure": lambda: [viz.verdict_figure(load_verdict("gemma3-270m")),
                                viz.verdict_figure(load_verdict("teaching-llama"), (0.8, 0.6, 0.4))],
     "weights_kv_positions": lambda: [viz.weights_kv_positions(_beyond("weights_kv"), "8-bit")],

@@ -18,24 +18,28 @@ import mlx.core as mx
 import pytest
 from conftest import random_kv
 
-from gmlx_lab.cache.affine import AffineCache, AffineRotCache
+from gmlx_lab.cache.affine.cache import AffineCache, AffineRotCache
 from gmlx_lab.cache.attention import grouped_attention
-from gmlx_lab.cache.kvarn import KVarNCache
+from gmlx_lab.cache.kvarn.cache import KVarNCache
+from gmlx_lab.cache.kvarn.records import decode_tiles, decode_tokens, encode_tokens, unpack_rows
 from gmlx_lab.kernels import (
     KERNELS,
     active_backend,
+    affine,
     assemble,
     build,
     config,
-    decode,
+    kvarn,
     kvarn_tokens,
     seal_records,
     sources,
+    splits,
     threads,
     unpack_records,
 )
-from gmlx_lab.kernels.decode import affine_partials, group_queries, kvarn_partials, merge_splits
-from gmlx_lab.records import decode_tiles, decode_tokens, encode_tokens, unpack_rows
+from gmlx_lab.kernels.affine import affine_partials
+from gmlx_lab.kernels.kvarn import kvarn_partials
+from gmlx_lab.kernels.splits import group_queries, merge_splits
 
 ON_GPU = active_backend() != "cpu"
 # float32 on the CPU; on a GPU the reference's own matmuls may use tf32, so 1e-5 becomes 2e-3
@@ -105,7 +109,7 @@ def test_kvarn_decode_uses_the_tensor_core_fragments() -> None:
 def test_step_params_are_rows_of_one_table() -> None:
     """A decode step's parameters (the token count moving by one a step) are rows of a table made once per
     PARAM_ROWS counts, equal to the array int_params would make, across a table's edge too."""
-    from gmlx_lab.kernels.decode import PARAM_ROWS, int_params, step_params
+    from gmlx_lab.kernels.splits import PARAM_ROWS, int_params, step_params
 
     for count in (0, 1, PARAM_ROWS - 1, PARAM_ROWS, 3 * PARAM_ROWS + 7):
         values = (9, 2, 128, count, 1, 5, 3, 1024)
@@ -266,7 +270,7 @@ def merging_in_kernel() -> Iterator[None]:
 @pytest.mark.parametrize("scheme", ["kvarn", "affine_rot"])
 def test_merging_kernels_hand_their_counter_on(scheme: str, merging_in_kernel: None) -> None:
     """With CUDA's source and merge_in_kernel the decode kernels merge their own splits, counting them in a counter
-    each launch hands to the next (decode.SplitCounter): ten decode steps through one cache, each against the
+    each launch hands to the next (splits.SplitCounter): ten decode steps through one cache, each against the
     reference, then eight calls built before any is evaluated (on a GPU, calls that shared one counter could run
     side by side and mix their tickets)."""
     kvarn = scheme == "kvarn"
@@ -301,7 +305,7 @@ def test_a_decode_call_is_kept_while_its_inputs_are(monkeypatch: pytest.MonkeyPa
 
     made = []
 
-    class Counted(decode.KvarnCall):
+    class Counted(kvarn.KvarnCall):
         def __init__(self, *args, **kwargs) -> None:
             made.append(args[3].recent_tokens)
             super().__init__(*args, **kwargs)
@@ -329,7 +333,7 @@ def test_a_decode_call_is_kept_while_its_inputs_are(monkeypatch: pytest.MonkeyPa
     c.trim(2)
     step(13)  # 300, the same tile and arrays after a trim: the call kept
     assert made == [379, 385, 428, 301], made
-    with config.configured(ring="off" if decode.ring_for(c.n_records, config.current().ring) else "on"):
+    with config.configured(ring="off" if kvarn.ring_for(c.n_records, config.current().ring) else "on"):
         step(14)
     step(15)
     assert made == [379, 385, 428, 301, 301, 302], made  # the setting, then back
@@ -349,7 +353,7 @@ def test_merge_in_kernel_switch() -> None:
     outs = []
     for merge in (True, False):
         with config.configured(merge_in_kernel=merge):
-            assert decode.kernel_merges() == (merge and build.kernel_backend() == "cuda")
+            assert splits.kernel_merges() == (merge and build.kernel_backend() == "cuda")
             out, ref = _attend_both(c, q, None, "fused")
         assert _rel(out, ref) < 5e-3
         outs.append(out)
@@ -388,16 +392,16 @@ def test_kvarn_kernel_walks_records_and_fp16_units_at_their_own_counts(per: int,
 def test_kvarn_splits_give_fp16_units_a_warp_each() -> None:
     """At 128K tokens (1015 records, a 1024-token tail, 8 kv heads) the records share the wave's warps left after
     the fp16 units' 9 (one a warp, whole threadgroups); `per_warp` sets both kinds unless `per_fp16` is given."""
-    w = decode.KVARN_WARPS
-    per, per16, nsr, nsf = decode.kvarn_splits(1015, 1024, 8, w)
-    assert per16 == decode.FP16_UNITS_PER_WARP == 1 and nsf == -(-9 // w)
-    assert per == -(-1015 // (-(-decode.TARGET_WARPS // 8) - nsf * w)) and nsr == -(-1015 // (per * w))
-    assert (nsr + nsf) * w <= decode.TARGET_WARPS // 8 + w
-    assert decode.kvarn_splits(1015, 1024, 8, w, per_warp=5) == (5, 5, -(-1015 // (5 * w)), 1)
-    assert decode.kvarn_splits(1015, 1024, 8, w, per_warp=5, per_fp16=2) == (5, 2, -(-1015 // (5 * w)), 2)
+    w = kvarn.KVARN_WARPS
+    per, per16, nsr, nsf = kvarn.kvarn_splits(1015, 1024, 8, w)
+    assert per16 == kvarn.FP16_UNITS_PER_WARP == 1 and nsf == -(-9 // w)
+    assert per == -(-1015 // (-(-kvarn.TARGET_WARPS // 8) - nsf * w)) and nsr == -(-1015 // (per * w))
+    assert (nsr + nsf) * w <= kvarn.TARGET_WARPS // 8 + w
+    assert kvarn.kvarn_splits(1015, 1024, 8, w, per_warp=5) == (5, 5, -(-1015 // (5 * w)), 1)
+    assert kvarn.kvarn_splits(1015, 1024, 8, w, per_warp=5, per_fp16=2) == (5, 2, -(-1015 // (5 * w)), 2)
     parts = _kvarn_cache(128, 2, 4, 4, 128 + 6 * 128 + 300, 256, seed=1).parts()
-    assert decode.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2).per16 == 2
-    assert decode.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2, per_fp16=1).per16 == 1
+    assert kvarn.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2).per16 == 2
+    assert kvarn.kvarn_plan(4, 128, 2, parts, 1, False, per_warp=2, per_fp16=1).per16 == 1
 
 
 def test_kernels_merge_more_splits_than_they_load_at_once(merging_in_kernel: None) -> None:
@@ -406,7 +410,7 @@ def test_kernels_merge_more_splits_than_they_load_at_once(merging_in_kernel: Non
     one tile a split, 21 affine ones, each kernel's own merge equals split_merge over the partials of the same
     launch. The CUDA source only (Metal's merges in split_merge): on CPU threads here."""
     with threads.on_cpu_threads("cuda"):
-        if decode.kernel_backend() != "cuda":
+        if build.kernel_backend() != "cuda":
             pytest.skip("an Apple GPU runs the Metal source, which never merges inside the kernel")
         _merges_more_splits_than_they_load_at_once()
 
@@ -414,20 +418,20 @@ def test_kernels_merge_more_splits_than_they_load_at_once(merging_in_kernel: Non
 def _merges_more_splits_than_they_load_at_once() -> None:
     c = _kvarn_cache(128, 2, 4, 4, 128 + 70 * 128 + 90, 128, seed=12)
     qg = group_queries(mx.random.normal((1, 8, 1, 128)), 2)
-    plan = decode.kvarn_plan(4, 128, 2, c.parts(), 1, False, per_warp=1)
+    plan = kvarn.kvarn_plan(4, 128, 2, c.parts(), 1, False, per_warp=1)
     assert plan.merge and plan.nsr == 18 and plan.nsr + plan.nsf == 19
-    arrays, cap = decode.kvarn_inputs(c.parts())
-    part_o, part_lse, out, _ = decode.kvarn_split_kernel(plan, qg, arrays,
-                                                         *decode.kvarn_params(plan, c.parts().recent_tokens, cap, 0.1),
+    arrays, cap = kvarn.kvarn_inputs(c.parts())
+    part_o, part_lse, out, _ = kvarn.kvarn_split_kernel(plan, qg, arrays,
+                                                         *kvarn.kvarn_params(plan, c.parts().recent_tokens, cap, 0.1),
                                                          mx.zeros((2,), mx.uint32))
     ref, _ = merge_splits(part_o, part_lse, rotate=True, rotated_splits=plan.nsr)
     assert _rel(out, ref) < 1e-5
     a = _affine_cache(4, 64, 128, 128 * 20 + 3, seed=1)
     kp, vp = ([b.data for b in bufs] for bufs in a.body_buffers)
-    aplan = decode.affine_plan(4, 128, 2, a.offset, 4, 64, 1, False, per_split=1)
+    aplan = affine.affine_plan(4, 128, 2, a.offset, 4, 64, 1, False, per_split=1)
     assert aplan.merge and aplan.nsplit == 21
-    part_o, part_lse, out, _ = decode.affine_split_kernel(aplan, qg, kp, vp,
-                                                          *decode.affine_params(aplan, a.offset, kp[0].shape[2], 0.1),
+    part_o, part_lse, out, _ = affine.affine_split_kernel(aplan, qg, kp, vp,
+                                                          *affine.affine_params(aplan, a.offset, kp[0].shape[2], 0.1),
                                                           mx.zeros((2,), mx.uint32))
     ref, _ = merge_splits(part_o, part_lse)
     assert _rel(out, ref) < 1e-5
@@ -449,21 +453,21 @@ def test_kvarn_kernel_equals_emulation_with_and_without_its_ring(case: tuple[int
 
 def test_auto_ring_runs_from_long_contexts_on() -> None:
     """"auto": no ring below RING_MIN_RECORDS records a head, the ring from there; "on" / "off" everywhere."""
-    n = decode.RING_MIN_RECORDS
-    assert [decode.ring_for(r, "auto") for r in (1, n - 1, n, 4 * n)] == [False, False, True, True]
-    assert [decode.ring_for(r, s) for r in (1, 4 * n) for s in ("on", "off")] == [True, False, True, False]
+    n = kvarn.RING_MIN_RECORDS
+    assert [kvarn.ring_for(r, "auto") for r in (1, n - 1, n, 4 * n)] == [False, False, True, True]
+    assert [kvarn.ring_for(r, s) for r in (1, 4 * n) for s in ("on", "off")] == [True, False, True, False]
 
 
 def test_launch_bounds_reach_the_cuda_header_only_and_the_name_follows_the_text() -> None:
     """kvarn_decode's CUDA header defines its launch bounds; the Metal header and the other kernels know nothing of
     them. MLX keeps compiled CUDA kernels by name (on disk too), so the name carries a hash of the whole text."""
-    assert sources.CUDA_DEFINES["kvarn_decode"] == {"KVARN_THREADS": 32 * decode.KVARN_WARPS, "KVARN_MIN_BLOCKS": 3}
+    assert sources.CUDA_DEFINES["kvarn_decode"] == {"KVARN_THREADS": 32 * kvarn.KVARN_WARPS, "KVARN_MIN_BLOCKS": 3}
     header, _ = assemble("kvarn_decode", "cuda")
     assert header.startswith("#define KVARN_THREADS 128\n#define KVARN_MIN_BLOCKS 3\n")
     assert "__launch_bounds__(KVARN_THREADS, KVARN_MIN_BLOCKS)" in header
     assert "#define KVARN_MIN_BLOCKS" not in assemble("kvarn_decode", "metal")[0]
     assert not assemble("affine_decode", "cuda")[0].startswith("#define")
-    assert decode.TARGET_WARPS == 132 * decode.KVARN_WARPS * decode.KVARN_MIN_BLOCKS
+    assert kvarn.TARGET_WARPS == 132 * kvarn.KVARN_WARPS * kvarn.KVARN_MIN_BLOCKS
     name = sources.cuda_name("kvarn_decode")
     assert re.fullmatch(r"gmlx_kvarn_decode_[0-9a-f]{12}", name) and name != sources.cuda_name("affine_decode")
     real = sources.read
@@ -503,13 +507,13 @@ def test_kernel_settings_are_explicit_and_checked(monkeypatch: pytest.MonkeyPatc
     (512, 8, 2, "cuda", 0), (128, 4, 4, "metal", 0)])
 def test_ring_stages_fill_the_threadgroup_memory(d: int, kb: int, vb: int, backend: str, stages: int) -> None:
     """The ring gets the slots that fit beside the rest of a threadgroup's memory, and none below two."""
-    assert decode.ring_stages(d, kb, vb, decode.KVARN_WARPS, backend) == stages
-    limit = decode.THREADGROUP_BYTES[backend]
-    slot = 4 * decode.KVARN_WARPS * decode.ring_slot_words(kb, vb)
-    rest = decode.kvarn_threadgroup_bytes(d, decode.KVARN_WARPS, 0)
+    assert kvarn.ring_stages(d, kb, vb, kvarn.KVARN_WARPS, backend) == stages
+    limit = kvarn.THREADGROUP_BYTES[backend]
+    slot = 4 * kvarn.KVARN_WARPS * kvarn.ring_slot_words(kb, vb)
+    rest = kvarn.kvarn_threadgroup_bytes(d, kvarn.KVARN_WARPS, 0)
     if stages:
         assert rest + stages * slot <= limit
-        assert stages == decode.RING_STAGES_MAX or rest + (stages + 1) * slot > limit
+        assert stages == kvarn.RING_STAGES_MAX or rest + (stages + 1) * slot > limit
     else:
         assert rest + 2 * slot > limit
 
@@ -519,11 +523,11 @@ def test_ring_is_off_where_it_does_not_fit() -> None:
     d, hq, hkv, lq, kb, vb, tokens, tail = KVARN_CASES[3]
     parts = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=3).parts()
     with config.configured(ring="on"):
-        assert not decode.kvarn_plan(hq // hkv, d, hkv, parts, lq, False).ring
+        assert not kvarn.kvarn_plan(hq // hkv, d, hkv, parts, lq, False).ring
         d, hq, hkv, lq, kb, vb, tokens, tail = KVARN_CASES[0]
         parts = _kvarn_cache(d, hkv, kb, vb, tokens, tail, seed=3).parts()
         with threads.on_cpu_threads("cuda"):
-            plan = decode.kvarn_plan(hq // hkv, d, hkv, parts, lq, False)
+            plan = kvarn.kvarn_plan(hq // hkv, d, hkv, parts, lq, False)
     assert (plan.ring, plan.stages) == (True, 3)
 
 
@@ -723,14 +727,15 @@ def test_metal_address_spaces_are_kept_apart() -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="the runner reads symbol sizes from ELF libraries (nm -S)")
 def test_metal_threadgroup_memory_fits_apple_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Apple GPUs give a threadgroup 32 KB. The runner refuses a Metal kernel that declares more (affine_decode
-    with 4 query vectors of head_dim 1024: 35 KB), and decode.py picks 3 there (2 warps for kvarn past 256)."""
+    with 4 query vectors of head_dim 1024: 35 KB), and kernels/affine.py picks 3 there (kernels/kvarn.py two warps
+    past 256)."""
     c = _affine_cache(4, 128, 1024, 128 + 5, seed=0)
     q = mx.random.normal((1, 4, 2, 1024))
     c.attention_path = "fused"
     with _on_cpu(), threads.on_cpu_threads("metal"):
-        assert decode.affine_qb_max(1024) == 3 and decode.kvarn_warps(512) == 2 and decode.kvarn_warps(256) == 4
+        assert affine.affine_qb_max(1024) == 3 and kvarn.kvarn_warps(512) == 2 and kvarn.kvarn_warps(256) == 4
         out = _attend(c, q, "causal")
-        monkeypatch.setattr(decode, "affine_qb_max", lambda d: 4)
+        monkeypatch.setattr(affine, "affine_qb_max", lambda d: 4)
         fresh = _affine_cache(4, 128, 1024, 128 + 5, seed=0)  # c keeps its call while its inputs stay
         fresh.attention_path = "fused"
         with pytest.raises(RuntimeError, match="35008 bytes of threadgroup memory; Apple GPUs allow 32768"):
@@ -793,7 +798,7 @@ def test_an_affine_decode_call_is_kept_while_its_inputs_are(monkeypatch: pytest.
 
     made = []
 
-    class Counted(decode.AffineCall):
+    class Counted(affine.AffineCall):
         def __init__(self, *args, **kwargs) -> None:
             made.append(args[4])
             super().__init__(*args, **kwargs)

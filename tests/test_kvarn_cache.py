@@ -5,7 +5,7 @@ import pytest
 from conftest import random_kv
 
 from gmlx_lab.cache import KVarNCache
-from gmlx_lab.records import region_tokens
+from gmlx_lab.cache.kvarn.records import region_tokens
 from gmlx_lab.registry import get_scheme
 
 

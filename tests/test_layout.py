@@ -199,24 +199,25 @@ def test_the_package_reads_at_most_three_environment_variables_each_in_the_readm
     assert len(documented) <= 3, f"more than three variables: {sorted(documented)}"
 
 
-def test_a_built_in_scheme_is_one_folder() -> None:
-    """Each built-in scheme's cache class and registry entry live in gmlx_lab/cache/<folder>/ (cache.py, scheme.py);
-    the registry's order is the folders' (fp16 first, then by name); there is no second list of schemes."""
-    from gmlx_lab.cache import scheme_folders
+def test_a_built_in_scheme_is_one_module() -> None:
+    """Each built-in scheme's cache class and registry entry live in one module: gmlx_lab/cache/<name>.py, or
+    <name>/cache.py for a scheme with kernels (its folder also holds its format); the registry's order is the
+    modules' (fp16 first, then by name); there is no second list of schemes."""
+    from gmlx_lab.cache import SHARED, scheme_modules
     from gmlx_lab.registry import SCHEMES
 
-    root = Path(__file__).resolve().parents[1] / "gmlx_lab"
-    assert not (root / "schemes").exists()
-    folders = scheme_folders()
-    assert folders[0] == "fp16" and folders[1:] == sorted(folders[1:])
+    modules = scheme_modules()
+    assert modules[0] == "fp16" and modules[1:] == sorted(modules[1:])
+    assert not set(modules) & set(SHARED)
     built_in = [s for s in SCHEMES.values()
                 if s.cache_class is not None and s.cache_class.__module__.startswith("gmlx_lab.")]
     for scheme in built_in:
-        folder = scheme.cache_class.__module__.split(".")[2]
-        assert scheme.cache_class.__module__ == f"gmlx_lab.cache.{folder}.cache", scheme.name
-        assert folder in folders and (root / "cache" / folder / "scheme.py").is_file(), scheme.name
-    order = list(dict.fromkeys(s.cache_class.__module__.split(".")[2] for s in built_in))
-    assert order == folders
+        module = scheme.cache_class.__module__.removeprefix("gmlx_lab.cache.")
+        assert module in modules, scheme.name
+        registered_in = type(scheme).__module__.removeprefix("gmlx_lab.cache.")
+        assert registered_in == module, f"{scheme.name}: entry in {registered_in}, cache in {module}"
+    order = list(dict.fromkeys(s.cache_class.__module__.removeprefix("gmlx_lab.cache.") for s in built_in))
+    assert order == modules
 
 
 def test_a_cache_and_its_scheme_share_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

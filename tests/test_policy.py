@@ -195,8 +195,7 @@ def test_a_sliding_cache_hands_back_what_rotating_kv_cache_does():
     """Same key count and the same masks as mlx-lm's RotatingKVCache, update after update, while it rolls."""
     from mlx_lm.models.cache import RotatingKVCache
 
-    from gmlx_lab import window
-    from gmlx_lab.cache import FP16Cache
+    from gmlx_lab.cache import FP16Cache, window
 
     ours, native = FP16Cache(layer=0), RotatingKVCache(max_size=128)
     ours.set_window(window.sliding_hold(128))

@@ -36,11 +36,11 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_promp
 
 import gmlx_lab
 from gmlx_lab.cache import BlockCache, GmlxCache
-from gmlx_lab.cache.affine import AFFINE_BITS, GROUP_SIZES
+from gmlx_lab.cache.affine.cache import AFFINE_BITS, GROUP_SIZES
 from gmlx_lab.cache.block import block_regions
 from gmlx_lab.cache.kivi import KIVI_BITS
+from gmlx_lab.cache.kvarn.records import KVARN_BITS, SINK_TOKENS, TILE, region_tokens
 from gmlx_lab.cache.turboquant import TURBOQUANT_BITS
-from gmlx_lab.records import KVARN_BITS, SINK_TOKENS, TILE, region_tokens
 from gmlx_lab.registry import get_scheme
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")

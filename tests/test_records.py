@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from gmlx_lab.records import decode_record, encode_record, imbalance, normalize, pack_rows, unpack_rows
+from gmlx_lab.cache.kvarn.records import decode_record, encode_record, imbalance, normalize, pack_rows, unpack_rows
 
 BITS = (2, 3, 4, 5, 6, 8)
 

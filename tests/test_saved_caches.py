@@ -13,8 +13,8 @@ from mlx_lm.models.cache import load_prompt_cache as mlx_lm_load
 from mlx_lm.models.cache import save_prompt_cache
 
 import gmlx_lab
+from gmlx_lab.cache.buffers import KV
 from gmlx_lab.cache.saved import trusted
-from gmlx_lab.records import KV
 
 
 @pytest.fixture(scope="module")

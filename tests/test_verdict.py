@@ -407,19 +407,21 @@ def test_cli_verdict_prints_the_table_and_refuses_bad_budgets(capsys: pytest.Cap
 
 
 def test_readme_and_results_doc_show_the_committed_verdict() -> None:
-    """The verdict tables in README.md and docs/results.md are the committed results', so neither drifts."""
-    from gmlx_lab.measure.verdict import markdown_table
+    """The README's five sentences and docs/results.md's tables are the committed results', so neither drifts;
+    the README reaches its quick start on its first screen."""
+    from gmlx_lab.measure.verdict import LEAD_MODEL, SECOND_BUDGETS, SECOND_MODEL, summary
 
-    table = markdown_table(load_verdict("gemma3-270m"))
-    for doc in ("README.md", "docs/results.md"):
-        assert table in (ROOT / doc).read_text(), f"{doc}: paste gmlx_lab.measure.verdict.markdown_table's output"
-    speed = decode_speed("model_decode-h200.json") + decode_speed("model_decode-h100-80gb-hbm3.json") + \
-        decode_speed("model_decode-128k-h100-80gb-hbm3.json", ("affine4 g64", "kvarn4 tail=1024")) + \
-        decode_speed("model_decode-e6429c9-h100-80gb-hbm3.json", ("affine4 g64", "kvarn4 tail=1024")) + \
-        decode_speed("model_decode-427c680-h200.json", ("fp16", "affine4 g64", "kvarn4 tail=1024")) + \
-        decode_speed("model_decode-cpu.json")
+    speeds = committed_speeds()
     readme = (ROOT / "README.md").read_text()
-    assert all(f"- {s.text()}" in readme for s in speed), "README: paste each decode_speed(...).text()"
+    sentences = summary(speeds)
+    assert len(sentences) == 5
+    for sentence in sentences:
+        assert f"- {sentence}" in readme, "README: paste gmlx_lab.measure.verdict.summary's sentences"
+    assert readme.splitlines().index("## Quick start") < 40
+    doc = (ROOT / "docs" / "results.md").read_text()
+    for table in (markdown_table(load_verdict(LEAD_MODEL), speeds=speeds),
+                  markdown_table(load_verdict(SECOND_MODEL), SECOND_BUDGETS, speeds)):
+        assert table in doc, "docs/results.md: paste gmlx_lab.measure.verdict.markdown_table's output"
 
 
 def test_verdict_benchmark_goes_on_where_a_run_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

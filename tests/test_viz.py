@@ -7,8 +7,9 @@ import pytest
 from conftest import random_kv
 
 import gmlx_lab
-from gmlx_lab import kv_inspect, records, viz
+from gmlx_lab import kv_inspect, viz
 from gmlx_lab.cache import KVarNCache
+from gmlx_lab.cache.kvarn import records
 from gmlx_lab.models import specimen
 
 

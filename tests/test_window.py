@@ -7,7 +7,8 @@ from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import gmlx_lab
-from gmlx_lab import kv_inspect, window
+from gmlx_lab import kv_inspect
+from gmlx_lab.cache import window
 
 SCHEMES = [("affine", {"bits": 4}), ("affine_rot", {"bits": 3}), ("kvarn", {"bits": 4, "kv_tail_tokens": 0})]
 N = 384  # kvarn with tail 0 needs sink 128 + two groups of 128

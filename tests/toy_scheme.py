@@ -13,6 +13,11 @@ class ToyCache(gmlx_lab.BlockCache):
 
     scheme = "toy"
     block_tokens = 16
+    OPTIONS = (
+        gmlx_lab.Option("bits", 8, "code width", (4, 8)),
+        gmlx_lab.Option("kv_tail_tokens", 16, "newest tokens kept fp16"),
+        gmlx_lab.Option("sink_tokens", 4, "first tokens kept fp16"),
+    )
     rotate = unrotate = staticmethod(mx.hadamard_transform)
 
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array]:
@@ -29,8 +34,4 @@ class ToyCache(gmlx_lab.BlockCache):
 
 SCHEME = gmlx_lab.register_scheme(gmlx_lab.BlockScheme(
     "toy", "symmetric int8 codes of rotated rows, one fp16 scale per 32 channels (a test plug-in)",
-    cache_class=ToyCache, color="#2ca02c", options=(
-        gmlx_lab.Option("bits", 8, "code width", (4, 8)),
-        gmlx_lab.Option("kv_tail_tokens", 16, "newest tokens kept fp16"),
-        gmlx_lab.Option("sink_tokens", 4, "first tokens kept fp16"),
-    )))
+    cache_class=ToyCache, color="#2ca02c"))

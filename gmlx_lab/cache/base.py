@@ -28,9 +28,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from .. import window
 from ..kernels import active_backend, precompiled, selfcheck
-from . import saved
+from . import saved, window
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 CHECK_FINITE_ENV = "GMLX_CHECK_FINITE"
@@ -60,7 +59,7 @@ class GmlxCache(_BaseCache):
     def __init__(self, layer: int | None = None):
         self.offset = 0  # tokens that arrived (positions keep counting in a rolling window)
         self.layer = layer
-        self.max_kv_size: int | None = None  # a rolling window (gmlx_lab/window.py), or None
+        self.max_kv_size: int | None = None  # a rolling window (cache/window.py), or None
         self.dropped = 0  # tokens the window dropped
         self._fetched: tuple[weakref.ref, weakref.ref] | None = None
         self._shape: tuple[int, int, int, int] | None = None  # batch, kv heads, k dim, v dim
@@ -193,7 +192,7 @@ class GmlxCache(_BaseCache):
 
     def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
         """Refuse a window this cache cannot roll, naming `where` (default: the layer): the one home of a scheme's
-        window rule (`Scheme.check_window` asks it). By default the shared rule of gmlx_lab/window.py."""
+        window rule (`Scheme.check_window` asks it). By default the shared rule of gmlx_lab/cache/window.py."""
         window.check(max_kv_size, None, where or self.where())
 
     def set_window(self, max_kv_size: int | None) -> None:

@@ -5,19 +5,20 @@ A subclass writes two methods (and, if it wants one, a rotation):
     class MyCache(BlockCache):
         scheme = "mine"          # its name in the registry
         block_tokens = 32        # tokens per block
+        OPTIONS = (Option("bits", 4, "code width", (2, 4, 8)),)   # its options, their defaults and checks
 
         def encode(self, x, kind):        # x: (B, H, 32, D) float32, kind "k" or "v" -> a tuple of arrays
             ...
         def decode(self, parts, kind):    # that tuple -> (B, H, 32, D)
             ...
 
-    gmlx_lab.register_scheme(BlockScheme("mine", "what it does", options, cache_class=MyCache))
+    gmlx_lab.register_scheme(BlockScheme("mine", "what it does", cache_class=MyCache))
 
 and the base supplies the rest: mlx-lm's cache contract (`update_and_fetch`, `offset`, `state` that
 `save_prompt_cache`/`load_prompt_cache` round-trip, `trim`, `make_mask`), `nbytes` and `regions()`, an fp16
 sink and tail if asked, the checks of `GmlxCache` (shapes, finiteness, deepcopy) and a reference attention
 (softmax over the fetched K/V). `BlockScheme` derives the registry's byte formula, policy rule and audit from
-the class. The scheme's options (e.g. `bits`) become attributes of the cache (`self.bits`). `load_prompt_cache`
+the class. The class's options (`OPTIONS`, e.g. `bits`) become attributes (`self.bits`). `load_prompt_cache`
 finds the class by name once the scheme is registered (in another process: import the plug-in first).
 
 A layer's tokens live in three stores, oldest first (`block_regions` is the geometry):
@@ -37,7 +38,7 @@ trim into that block restores it exactly: a draft model's cache under mlx-lm's s
 token per update and is trimmed by up to num_draft - 1 tokens, which at tail 0 reaches into the newest block
 (kvarn does this; the copy counts in `regions()["reserve"]`).
 A cache whose blocks are the shared rolling window's groups (128 tokens after a 128-token sink, kvarn's
-records) can be a rolling window (`set_window`, gmlx_lab/window.py): the oldest blocks leave whole (affine's
+records) can be a rolling window (`set_window`, gmlx_lab/cache/window.py): the oldest blocks leave whole (affine's
 one-token blocks leave a group at a time, its own `window_check`).
 
 `encode` sees float32 blocks of the stored fp16 values, or what `rotate` makes of them (kvarn rotates in fp16,
@@ -59,14 +60,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .. import window
 from ..kernels import selfcheck
-from ..records import KV
-from ..regions import block_regions, due_tokens
-from ..registry import Option, Scheme, check_options
-from . import saved
+from ..registry import Option, Scheme, resolve_options
+from . import saved, window
 from .base import GmlxCache, array_bytes
-from .buffers import STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
+from .buffers import KV, STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
+from .regions import block_regions, due_tokens
+from .rotation import rotation_problem
 
 __all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
 
@@ -104,7 +104,7 @@ class BlockCache(GmlxCache):
     # one token after it leaves the tail); False: once it has left the tail and is older than the latest update
     tail_before_update = False
     # The options this class takes: their defaults and accepted values, the one home of both (its BlockScheme
-    # offers them by name; a class that declares none takes its scheme's when the scheme is made)
+    # offers them by name)
     OPTIONS: tuple[Option, ...] = ()
 
     @classmethod
@@ -131,17 +131,26 @@ class BlockCache(GmlxCache):
 
     # -- construction -----------------------------------------------------------------------------------
     def __init__(self, layer: int | None = None, **options: Any):
+        """Options by name (None: the default): checked against `OPTIONS`, the defaults filled and `complete`
+        applied (`registry.resolve_options`, as the registry resolves a scheme's), then set as attributes
+        (`self.bits`), so a cache built by hand and one its scheme builds never disagree."""
         super().__init__(layer)
-        for name, value in options.items():
+        options = {name: value for name, value in options.items() if value is not None}
+        for name in options:
             if clashes(name):
                 raise ValueError(f"{type(self).__name__}: option name {name!r} clashes with a BlockCache attribute")
+        known = {opt.name for opt in self.OPTIONS}
+        try:  # the geometry a saved state passes back (block_tokens) is checked below, not as an option
+            values = resolve_options(self.OPTIONS, {n: v for n, v in options.items() if n in known or n not in
+                                                    GEOMETRY}, self.scheme, self.complete)
+        except ValueError as err:
+            raise ValueError(f"{self.where()}: {err}") from None
+        for name, value in {**options, **values}.items():
             setattr(self, name, value)
-        if self.OPTIONS:  # the options' one check: the class's own Options
-            check_options(self.OPTIONS, options, self.scheme, self.where())
         for name in GEOMETRY:  # geometry no Option covers: class attributes
-            if name not in {opt.name for opt in self.OPTIONS}:
+            if name not in known:
                 check_geometry(name, getattr(self, name), self.where())
-        self.options = dict(options)
+        self.options = values
         self.sink: KV | None = None  # K, V (B, H, <= sink_tokens, D) fp16
         self.body_buffers: KV | None = None  # K, V tuples of GrowingBuffer, one per part `encode` returns
         self.n_blocks = 0  # encoded blocks per head: the blocks of body_buffers the cache holds
@@ -173,7 +182,15 @@ class BlockCache(GmlxCache):
         return sum(p.nbytes for kind, d in (("k", k_dim), ("v", v_dim)) for p in self._trial(kind, d))
 
     def check_head_dims(self, k_dim: int, v_dim: int) -> None:
-        """Raise a ValueError naming the layer if this scheme cannot encode and decode blocks of these head dims."""
+        """Raise a ValueError naming the layer if this scheme cannot encode and decode blocks of these head dims, or
+        if it rotates and its rotation cannot be undone there (cache/rotation.py)."""
+        probe = mx.random.normal((1, 1, 1, 64), key=mx.random.key(0))  # 64: a size every rotation takes
+        if not mx.array_equal(self.rotate(probe), probe).item():
+            for kind, d in (("k", k_dim), ("v", v_dim)):
+                problem = rotation_problem(d)
+                if problem:
+                    raise ValueError(f"{self.where()}: {type(self).__name__} cannot rotate {kind.upper()} heads: "
+                                     f"{problem}")
         for kind, d in (("k", k_dim), ("v", v_dim)):
             try:
                 parts = self._trial(kind, d)
@@ -250,7 +267,7 @@ class BlockCache(GmlxCache):
         super().settle()
 
     def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
-        """The shared window rule (gmlx_lab/window.py: the sink, the tail and whole groups) where the blocks are its
+        """The shared window rule (cache/window.py: the sink, the tail and whole groups) where the blocks are its
         groups (128 tokens after a 128-token sink, kvarn's records); other block caches have no rolling window."""
         if max_kv_size is not None and (self.block_tokens, self.sink_tokens) != (window.GROUP, window.SINK_TOKENS):
             raise ValueError(f"{where or self.where()}: {type(self).__name__} has no rolling window (max_kv_size); "
@@ -258,7 +275,7 @@ class BlockCache(GmlxCache):
         window.check(max_kv_size, self.kv_tail_tokens, where or self.where())
 
     def _roll(self, newest: int) -> None:
-        """The rolling window (gmlx_lab/window.py): after the window's 128-token sink (the fp16 sink, then the first
+        """The rolling window (cache/window.py): after the window's 128-token sink (the fp16 sink, then the first
         blocks if the class keeps fewer tokens fp16) the oldest whole groups leave, from the blocks, or from the
         recent fp16 tokens while no block lies past the sink (affine before quantized_kv_start); the tail and the
         latest update stay."""
@@ -606,18 +623,18 @@ class BlockScheme(Scheme):
     the byte formula (encoding a block of zeros), the policy rule (can it encode these head dims?) and the audit."""
 
     def __post_init__(self) -> None:
-        """Check the class; the scheme offers the class's options (`OPTIONS`), or, where the class declares none
-        (a plug-in that names them here), gives the class these, so a cache built by hand checks them too."""
+        """Check the class; the scheme offers the class's options (`OPTIONS`: the class is their one home, read
+        here, never written)."""
         cls = self.cache_class
         if not (isinstance(cls, type) and issubclass(cls, BlockCache)):
             raise TypeError(f"BlockScheme {self.name!r}: cache_class must be a BlockCache subclass, got {cls!r}")
         if cls.scheme != self.name:
             raise ValueError(f"BlockScheme {self.name!r}: {cls.__name__}.scheme is {cls.scheme!r}; "
                              "set `scheme = ...` in the class to the registered name")
-        if not self.options:
-            object.__setattr__(self, "options", cls.OPTIONS)
-        elif not cls.OPTIONS:
-            cls.OPTIONS = self.options
+        if self.options and tuple(self.options) != tuple(cls.OPTIONS):
+            raise ValueError(f"BlockScheme {self.name!r}: options are declared on the class, not the scheme; set "
+                             f"`OPTIONS = (...)` in {cls.__name__} and leave BlockScheme's options out")
+        object.__setattr__(self, "options", cls.OPTIONS)
         for opt in self.options:
             if clashes(opt.name):
                 raise ValueError(f"BlockScheme {self.name!r}: option name {opt.name!r} clashes with a "
@@ -627,18 +644,13 @@ class BlockScheme(Scheme):
         """The class's rules between options (`BlockCache.complete`)."""
         return self.cache_class.complete(values, given)
 
-    def cache_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """The options the class takes, from the resolved ones: all of them by default (a scheme whose `adjust`
-        derives some options from others, as kvarn's K/V widths from `bits`, drops the ones it derived from)."""
-        return options
-
     def make_cache(self, options: dict[str, Any], layer: int | None = None) -> BlockCache:
-        return self.cache_class(layer=layer, **self.cache_options(options))
+        return self.cache_class(layer=layer, **options)
 
     def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
         """A layer whose head dims the class cannot encode stays fp16, with the class's reason."""
         try:
-            self.cache_class(**self.cache_options(options)).check_head_dims(k_dim, v_dim)
+            self.cache_class(**options).check_head_dims(k_dim, v_dim)
         except ValueError as exc:
             return str(exc).split(": ", 1)[-1]
         return None
@@ -646,18 +658,18 @@ class BlockScheme(Scheme):
     def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
         """Encoded blocks at the bytes of one block of zeros; sink, live and tail tokens as fp16 (token by token:
         the newest token not yet encoded unless the class encodes on arrival)."""
-        cache = self.cache_class(**self.cache_options(options))
+        cache = self.cache_class(**options)
         newest = 0 if cache.encode_on_arrival else 1
         r = block_regions(tokens, cache.block_tokens, cache.sink_tokens, cache.kv_tail_tokens, newest,
                           cache.tail_before_update)
         blocks = r["body"] // cache.block_tokens
         fp16_tokens = tokens - r["body"]
-        block = encoded_block_bytes(self.cache_class, tuple(self.cache_options(options).items()), k_dim, v_dim)
+        block = encoded_block_bytes(self.cache_class, tuple(options.items()), k_dim, v_dim)
         return kv_heads * (blocks * block + fp16_tokens * (k_dim + v_dim) * 2.0)
 
     def audit(self, cache: BlockCache, options: dict[str, Any]) -> tuple[str, bool]:
         """The options the policy gave, and every block that is due encoded (less those a rolling window dropped)."""
-        for name, value in self.cache_options(options).items():
+        for name, value in options.items():
             if getattr(cache, name, None) != value:
                 return f"{name} {getattr(cache, name, None)}, policy says {value}", False
         due = self.encoded_tokens(cache)
@@ -672,6 +684,6 @@ class BlockScheme(Scheme):
 
     def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
         """(tokens, D) through the class's encode and decode (tokens a multiple of block_tokens)."""
-        cache = self.cache_class(**self.cache_options(options))
+        cache = self.cache_class(**options)
         out = cache.roundtrip(mx.array(np.asarray(x, np.float32))[None, None], kind)
         return np.array(out[0, 0].astype(mx.float32))

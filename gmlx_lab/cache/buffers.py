@@ -1,10 +1,19 @@
-"""fp16 stores every cache shares: the stored dtype, the sink's fill, and a buffer that grows along the tokens."""
+"""fp16 stores every cache shares: the stored dtype, a K/V pair, the sink's fill, and a buffer that grows along the
+tokens."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import mlx.core as mx
 
-from ..records import KV
+
+class KV(NamedTuple):
+    """A key and a value of anything (arrays, records, buffers): named fields instead of [K, V] lists."""
+
+    k: Any
+    v: Any
+
 
 STORE_DTYPE = mx.float16
 

@@ -7,31 +7,21 @@
 - `kvarn_seal`: variance normalization, rounding and packing of records;
 - `kvarn_unpack`: records back to tokens; with the sink and recent tokens around them and rotated back, a
   layer's whole K or V in one pass (prefill attention, and K/V for models that read them).
-Kernels take arrays and the layout of `gmlx_lab/records.py`; they know no cache class.
+Kernels take arrays and kvarn's record layout (`gmlx_lab/cache/kvarn/records.py`); they know no cache class.
 On the CPU the caches use their pure-MLX reference attention; tests run the kernels' CUDA and Metal sources
 on CPU threads there (`threads.py`, one fiber per GPU lane). The modules' tiers: `sources` (the texts) <-
 `threads` (CPU lanes), `precompiled` (CUDA binaries kept on disk) <- `build` (backend, launch, compiled graphs;
-reads `config`, the settings) <- `decode`, `seal` <- `selfcheck`.
+reads `config`, the settings) <- `splits` (what the split-K decode kernels share) <- `kvarn`, `affine` (each
+scheme's launch code) <- `selfcheck`.
 """
 
 from . import precompiled, selfcheck  # noqa: E402  (after the modules it checks)
+from .affine import AffineCall, affine_attend, affine_supported
 from .build import active_backend
 from .config import KernelConfig, configured, set_config
-from .decode import (
-           MAX_QUERY_TOKENS,
-           AffineCall,
-           KvarnCall,
-           SplitCounter,
-           affine_attend,
-           affine_supported,
-           kvarn_attend,
-           kvarn_supported,
-           kvarn_tokens,
-           merge_splits,
-           unpack_records,
-)
-from .seal import seal_records
+from .kvarn import KvarnCall, kvarn_attend, kvarn_supported, kvarn_tokens, seal_records, unpack_records
 from .sources import assemble
+from .splits import MAX_QUERY_TOKENS, SplitCounter, merge_splits
 
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 

@@ -16,20 +16,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..records import KV, KvarnParts, decode_tokens, encode_tokens, unpack_rows
+from ..cache.buffers import KV
+from ..cache.kvarn.records import KvarnParts, decode_tokens, encode_tokens, unpack_rows
 from . import config
+from .affine import affine_attend, affine_partials
 from .build import active_backend, forget_kernels, kernel_backend
-from .decode import (
-    affine_attend,
-    affine_partials,
-    group_queries,
-    kvarn_attend,
-    kvarn_partials,
-    kvarn_tokens,
-    merge_splits,
-    unpack_records,
-)
-from .seal import seal_records
+from .kvarn import kvarn_attend, kvarn_partials, kvarn_tokens, seal_records, unpack_records
+from .splits import group_queries, merge_splits
 
 TOLERANCE = 1e-2  # relative error against the float32 emulation (the tensor cores take float16 operands)
 

@@ -122,11 +122,12 @@ def verdict_machines(model: str) -> list[str]:
 
 def load_verdict(model: str = "gemma3-270m", machine: str | None = None) -> VerdictResults:
     """The committed rows of `benchmarks/verdict.py` for one model and machine; without a machine, the file
-    that holds the most complete contexts (a sweep reads best from one machine), the CPU's on a tie."""
+    that holds the most complete contexts (a sweep reads best from one machine), then the most rows, then the
+    CPU's."""
     if machine is None:
         found = [_read(verdict_path(model, m)) for m in verdict_machines(model)]
         if found:
-            return max(found, key=lambda r: (len(r.contexts), r.path.name.endswith("-cpu.json")))
+            return max(found, key=lambda r: (len(r.contexts), len(r.rows), r.path.name.endswith("-cpu.json")))
         machine = "cpu"
     return _read(verdict_path(model, machine))
 
@@ -465,6 +466,7 @@ def speed_rows(recs: list[Recommendation], speeds: SpeedTable) -> list[dict[str,
 
 LEAD_MODEL = "smollm2-135m"  # every layer grows, as in Llama or Qwen: the verdict's first answer
 SECOND_MODEL = "gemma3-270m"  # sliding windows: most layers stay fp16, so its shares stay high
+SECOND_BUDGETS = (0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # its smallest shares are high: finer steps above them
 
 
 def summary(speeds: SpeedTable) -> list[str]:
@@ -489,9 +491,12 @@ def summary(speeds: SpeedTable) -> list[str]:
     out.append(f"**A model whose every layer grows.** On {lead.model} at {context_label(context)} tokens, "
                + "; ".join(picks) + f" (`{lead.path.name}`, eight passages, 95% intervals).")
     smallest = [(c, recommend(lead, 1.0, c).smallest_kept) for c in lead.contexts]
-    out.append("**Longer contexts reach smaller caches.** The smallest row that keeps " + lead.model + " stores "
-               + ", ".join(f"{100 * s:.0f}% of fp16's bytes at {context_label(c)}" for c, s in smallest if s)
-               + ": the fp16 sink and tails are a fixed cost that a longer context spreads thinner.")
+    shares = ", ".join(f"{100 * s:.0f}% of fp16's bytes at {context_label(c)}" for c, s in smallest if s)
+    falls = len(smallest) > 1 and smallest[-1][1] < smallest[0][1]
+    out.append(("**Longer contexts reach smaller caches.** " if falls else "**The smallest cache that keeps it.** ")
+               + f"The smallest row that keeps {lead.model} stores {shares}"
+               + (": the fp16 sinks and tails are a fixed cost that a longer context spreads thinner." if falls
+                  else "."))
     at = second.contexts[-1]
     rows = [r for r in second.at(at) if r.scheme != BASELINE]
     layers = rows[0].quantized_layers

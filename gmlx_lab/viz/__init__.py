@@ -10,8 +10,8 @@ once per site).
 
 import os
 
+from ..cache.kvarn.records import record_bytes
 from ..measure.sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
-from ..records import record_bytes
 from . import plotlyjs
 from .capacity import capacity_figure
 from .code import Source, source

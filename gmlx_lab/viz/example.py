@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..cache.kvarn.records import SINK_TOKENS, TILE
 from ..kv_inspect import Capture
 from ..models import BUNDLED_NAME, available_models
 from ..models.gemma3 import NAME as EXAMPLE_MODEL
 from ..policy import Policy
-from ..records import SINK_TOKENS, TILE
 from ..registry import BASELINE
 from .quant import outlier_ratio
 

@@ -13,10 +13,11 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import records, window
+from ..cache import window
+from ..cache.kvarn import records
+from ..cache.kvarn.records import region_tokens
 from ..measure.sizes import LayerShape, layer_bytes
 from ..policy import Policy
-from ..records import region_tokens
 from ..registry import BASELINE, SCHEMES, get_scheme
 from .quant import AffineRow, hadamard, outlier_ratio
 from .style import (  # noqa: F401  (scheme_color: imported from here too)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .. import records
+from ..cache.kvarn import records
 from ..registry import get_scheme
 
 __all__ = ["AffineRow", "affine_row", "butterfly_stages", "even_share", "hadamard", "normalize_history",

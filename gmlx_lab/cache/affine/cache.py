@@ -9,6 +9,10 @@ the tokens arrive: the query is rotated the same way and the output rotated back
 unchanged but spreads outliers. What the base does not: attention from the codes (the fused GPU kernel or
 `mx.quantized_matmul`, an `attend` override), decoding straight to the model's dtype (`fetch`), the head-dim
 rule (`group_problem`) and the window rule of fp16 caches (one-token blocks leave in any whole group).
+
+Two registry entries close the module: affine, and affine_rot (llama.cpp Hadamard-rotates Q/K/V for every quantized
+KV cache type by default since April 2026, PR 21038, so affine_rot is that baseline). The byte formula, the roundtrip
+and the audit come from the class (BlockScheme), as for a plug-in; the entries name the label and the policy rule.
 """
 
 from __future__ import annotations
@@ -17,15 +21,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from ... import window
 from ...kernels import AffineCall, SplitCounter, active_backend, affine_attend, affine_supported
-from ...records import KV
-from ...registry import Option
-from ...rotation import rotation_problem
+from ...registry import Option, register_scheme
+from .. import window
 from ..attention import apply_mask
 from ..base import array_bytes
-from ..buffers import STORE_DTYPE, GrowingBuffer
-from ..checked import CheckedBlockCache
+from ..block import BlockCache, BlockScheme
+from ..buffers import KV, STORE_DTYPE, GrowingBuffer
+from ..rotation import rotation_problem
 
 AFFINE_BITS = (2, 3, 4, 6, 8)  # the widths mx.quantize's affine mode packs
 GROUP_SIZES = (32, 64, 128)  # the group sizes it takes
@@ -37,7 +40,7 @@ def group_problem(head_dim: int, group_size: int) -> str | None:
     return f"head_dim {head_dim} is not a multiple of group_size {group_size}" if head_dim % group_size else None
 
 
-class AffineCache(CheckedBlockCache):
+class AffineCache(BlockCache):
     """K/V quantized per token in groups; fp16 until `quantized_kv_start` tokens have arrived."""
 
     scheme = "affine"
@@ -53,7 +56,7 @@ class AffineCache(CheckedBlockCache):
 
     def __init__(self, bits: int | None = None, group_size: int | None = None, quantized_kv_start: int | None = None,
                  layer: int | None = None):
-        # None: the option's default (OPTIONS); checked and set as self.bits, ... (CheckedBlockCache)
+        # None: the option's default (OPTIONS); checked and set as self.bits, ... (BlockCache)
         super().__init__(layer, bits=bits, group_size=group_size, quantized_kv_start=quantized_kv_start)
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
 
@@ -103,7 +106,7 @@ class AffineCache(CheckedBlockCache):
         return group_problem(head_dim, self.group_size)
 
     def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
-        """The shared rule of gmlx_lab/window.py for fp16 tokens (the sink and one group): one-token blocks leave
+        """The shared rule of gmlx_lab/cache/window.py for fp16 tokens (the sink and one group): one-token blocks leave
         in whole groups whatever the tail."""
         window.check(max_kv_size, None, where or self.where())
 
@@ -229,5 +232,31 @@ class AffineRotCache(AffineCache):
     rotate = unrotate = staticmethod(mx.hadamard_transform)  # normalized: its own inverse at the accepted dims
 
     def head_dim_problem(self, head_dim: int) -> str | None:
-        """Whole groups, and a rotation that undoes itself at this head dim (gmlx_lab/rotation.py)."""
+        """Whole groups, and a rotation that undoes itself at this head dim (gmlx_lab/cache/rotation.py)."""
         return group_problem(head_dim, self.group_size) or rotation_problem(head_dim)
+
+
+class AffineScheme(BlockScheme):
+    """Per-token groups of `group_size` values, each with an fp16 scale and offset; affine_rot rotates first."""
+
+    def label(self, values: dict[str, Any]) -> str:
+        return f"{self.name}{values['bits']} g{values['group_size']}"
+
+    def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
+        """A row must split into whole groups; affine_rot's rotation must be undoable at the head dims (the
+        class's `head_dim_problem`)."""
+        cache = self.cache_class(**options)
+        return next((p for d in sorted({k_dim, v_dim}) if (p := cache.head_dim_problem(d))), None)
+
+    def encoded_tokens(self, cache: AffineCache) -> int:
+        """None before `quantized_kv_start` tokens have arrived (fp16 until then), else every token held."""
+        return super().encoded_tokens(cache) if cache.offset >= cache.quantized_kv_start else 0
+
+
+AFFINE = register_scheme(AffineScheme(
+    "affine", "mlx-lm's grouped affine quantization of each token's K/V row (--kv-bits)",
+    cache_class=AffineCache, color="#1f77b4"))
+AFFINE_ROT = register_scheme(AffineScheme(
+    "affine_rot", "affine after a per-head Hadamard rotation (llama.cpp's default for quantized KV since "
+    "April 2026, PR 21038)",
+    cache_class=AffineRotCache, color="#17becf"))

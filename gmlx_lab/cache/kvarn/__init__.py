@@ -1,7 +1,5 @@
-"""kvarn: Hadamard rotation and variance-normalized 128-token records with an fp16 sink and tail: the cache (cache.py)
-and its registry entry (scheme.py); the record format is gmlx_lab/records.py."""
+"""kvarn: Hadamard rotation and variance-normalized 128-token records with an fp16 sink and tail.
 
-from .cache import KVarNCache
-from .scheme import KVARN_BITS_ENV, SCHEME, parse_kvarn_bits
-
-__all__ = ["KVARN_BITS_ENV", "KVarNCache", "SCHEME", "parse_kvarn_bits"]
+`records.py` is the record format (what the kernels read too); `cache.py` the cache and its registry entry. This
+file imports neither, so the kernels can read the format without the cache.
+"""

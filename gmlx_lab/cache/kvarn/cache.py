@@ -1,4 +1,5 @@
-"""The kvarn cache: a block cache (cache/block.py) whose blocks are Hadamard-rotated, variance-normalized records.
+"""kvarn: a block cache (cache/block.py) whose blocks are Hadamard-rotated, variance-normalized records, and its
+registry entry.
 
 A layer's tokens live in the block base's three stores, oldest first (`records.region_tokens` is the geometry):
   sink    the first 128 tokens, fp16, never quantized (attention sinks);
@@ -6,7 +7,7 @@ A layer's tokens live in the block base's three stores, oldest first (`records.r
   recent  fp16 tokens after the body: the live group and the newest `kv_tail_tokens` (the tail).
 Attention is one softmax over all three. Since the Hadamard rotation H is orthogonal, q . k is the same in
 either space: the fp16 stores keep the model's own K/V (an update is a plain write, as in mlx-lm's KVCache)
-and only records are rotated; their part of the output is rotated back (`kernels/decode.py`).
+and only records are rotated; their part of the output is rotated back (`kernels/kvarn.py`).
 
 The base seals (encodes) a complete group of 128 recent tokens once it had left the tail before the latest
 update, so a prompt chunk attends to its own tokens exactly and to the stored form of what came before it, and
@@ -19,10 +20,16 @@ fused GPU kernels as `attend` and `fetch` overrides.
 
 Choices where the spec is silent: records seal on the GPU with the `kvarn_seal` kernel and on the CPU with
 `records.encode_tokens` (the same steps); K/V are checked for non-finite values when they arrive (base.py).
+
+The registry entry (`KvarnScheme`, below the cache) says what the registry, the policy, the figures and the audit
+need to know about it; the record format and the region geometry are `records.py` beside this module.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -37,9 +44,16 @@ from ...kernels import (
     seal_records,
     unpack_records,
 )
-from ...records import (
-    KV,
+from ...registry import Option, register_scheme
+from ..attention import grouped_attention, merge_partials
+from ..base import array_bytes
+from ..block import BlockCache, BlockScheme
+from ..buffers import KV, STORE_DTYPE
+from ..options import width_options
+from . import records
+from .records import (
     KVARN_BITS,
+    KVARN_EXT_HEAD_DIMS,
     KVARN_HEAD_DIMS,
     SINK_TOKENS,
     TILE,
@@ -49,16 +63,11 @@ from ...records import (
     encode_tokens,
     head_dim_problem,
 )
-from ...registry import Option
-from ..attention import grouped_attention, merge_partials
-from ..base import array_bytes
-from ..buffers import STORE_DTYPE
-from ..checked import CheckedBlockCache
 
 __all__ = ["KVarNCache", "SINK_TOKENS"]
 
 
-class KVarNCache(CheckedBlockCache):
+class KVarNCache(BlockCache):
     """kvarn: fp16 sink and recent tokens around a body of bit-packed, variance-normalized records."""
 
     scheme = "kvarn"
@@ -68,13 +77,28 @@ class KVarNCache(CheckedBlockCache):
     tail_before_update = True
     KERNELS = ("kvarn_decode", "kvarn_seal", "kvarn_unpack")
     OPTIONS = (
-        Option("k_bits", 6, "code width for K", KVARN_BITS),
-        Option("v_bits", 6, "code width for V", KVARN_BITS),
+        *width_options(6, KVARN_BITS),
         Option("kv_tail_tokens", 1024, "newest tokens kept in fp16"),
         Option("norm_iters", 16, "variance-normalization rounds per record", minimum=0),
         Option("head_dim_ext", 0, "1: also head dims 64 and 96, records of 128 tokens by the whole head (outside "
                "gmlx's format; gmlx declines such layers)", (0, 1)),
     )
+
+    @classmethod
+    def complete(cls, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """Each of the K and V widths: `k_bits`/`v_bits` if given, else `bits` if given, else GMLX_KVARN_BITS if
+        set, else the default `bits`. An explicit width always beats the environment (`KvarnScheme.environment`
+        says when the environment chose)."""
+        env = environment_widths()
+        widths = []
+        for i, name in enumerate(("k_bits", "v_bits")):
+            if given.get(name) is not None:
+                widths.append(given[name])
+            elif given.get("bits") is not None or env is None:
+                widths.append(values["bits"])
+            else:
+                widths.append(env[i])
+        return {**values, "k_bits": widths[0], "v_bits": widths[1]}
 
     def __init__(
         self,
@@ -84,10 +108,11 @@ class KVarNCache(CheckedBlockCache):
         norm_iters: int | None = None,
         layer: int | None = None,
         head_dim_ext: int | None = None,
+        bits: int | None = None,
     ):
-        # None: the option's default (OPTIONS); checked and set as self.k_bits, ... (CheckedBlockCache)
-        super().__init__(layer, k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens, norm_iters=norm_iters,
-                         head_dim_ext=head_dim_ext)
+        # None: the option's default (OPTIONS); checked and set as self.k_bits, ... (BlockCache)
+        super().__init__(layer, bits=bits, k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens,
+                         norm_iters=norm_iters, head_dim_ext=head_dim_ext)
         self._prefix: tuple[Any, Any, KV] | None = None  # (body, sink, their decoded graph) for GPU decode steps
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
 
@@ -260,3 +285,81 @@ class KVarNCache(CheckedBlockCache):
         codes = 0 if self.body is None else array_bytes(self.body.k[0], self.body.v[0])
         return {"sink": r["sink"], "record_codes": codes, "record_scales": body - codes, "live": r["live"],
                 "tail": r["tail"], "reserve": r["reserve"]}
+
+
+KVARN_BITS_ENV = "GMLX_KVARN_BITS"  # K and V widths, "6" or "k6v5", where no width is given
+
+def parse_kvarn_bits(text: str) -> tuple[int, int]:
+    """Parse a GMLX_KVARN_BITS value: "6" (both) or "k6v5" (K then V)."""
+    match = re.fullmatch(r"\s*(?:(\d+)|k(\d+)v(\d+))\s*", text or "")
+    if not match:
+        raise ValueError(
+            f"{KVARN_BITS_ENV}={text!r} is malformed; expected a width such as '6' "
+            f"or K and V widths such as 'k6v5' (widths: {', '.join(map(str, KVARN_BITS))})"
+        )
+    if match.group(1):
+        kb = vb = int(match.group(1))
+    else:
+        kb, vb = int(match.group(2)), int(match.group(3))
+    for which, b in (("K", kb), ("V", vb)):
+        if b not in KVARN_BITS:
+            raise ValueError(
+                f"{KVARN_BITS_ENV}={text!r}: {which} width {b} is not supported; "
+                f"accepted: {', '.join(map(str, KVARN_BITS))}"
+            )
+    return kb, vb
+
+
+def environment_widths() -> tuple[int, int] | None:
+    """The K and V widths GMLX_KVARN_BITS sets, or None when it is unset or empty."""
+    text = os.environ.get(KVARN_BITS_ENV, "")
+    return parse_kvarn_bits(text) if text.strip() else None
+
+
+@dataclass(frozen=True)
+class KvarnScheme(BlockScheme):
+    """Records of 128 tokens x 128 channels per KV head; needs head dims of whole 128-channel slices. The byte
+    formula, the audit and the roundtrip come from the class (BlockScheme), as for a plug-in."""
+
+    def environment(self, given: dict[str, Any]) -> str:
+        """Which widths GMLX_KVARN_BITS chose for these options ('' when explicit widths or defaults did)."""
+        if environment_widths() is None or given.get("bits") is not None:
+            return ""
+        chose = [kind for kind in ("K", "V") if given.get(f"{kind.lower()}_bits") is None]
+        if not chose:
+            return ""
+        return f"{' and '.join(chose)} width{'s' if len(chose) > 1 else ''} from " \
+               f"{KVARN_BITS_ENV}={os.environ[KVARN_BITS_ENV].strip()}"
+
+    def label(self, values: dict[str, Any]) -> str:
+        """`kvarn6 tail=1024`, `kvarn k6v5 tail=128`; " ext" with the head-dim extension (64/96)."""
+        return super().label(values) + (" ext" if values.get("head_dim_ext") else "")
+
+    def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
+        """Latent (MLA) caches, and head dims the format has no records for (`records.head_dim_problem`)."""
+        if kind == "latent-attention":
+            return "MLA latent cache: kvarn declines"
+        ext = options.get("head_dim_ext", 0)
+        return next((p for p in (records.head_dim_problem(d, ext) for d in sorted({k_dim, v_dim})) if p), None)
+
+    def reason_taken(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str:
+        for d in sorted({k_dim, v_dim}):
+            if d in KVARN_EXT_HEAD_DIMS and options.get("head_dim_ext", 0):
+                return (f"growing attention, head_dim {d} by the head-dim extension (records of 128 tokens x "
+                        f"{d} channels: outside gmlx's format)")
+        return "growing attention"
+
+    def token_region(self, position: int, tokens: int, newest: int, options: dict[str, Any]) -> str:
+        """The fp16 sink, the records, the live group or the fp16 tail, in that order along the context."""
+        regions = records.region_tokens(tokens, options["kv_tail_tokens"], newest=newest)
+        end = 0
+        for region, name in (("sink", "sink"), ("body", "records"), ("live", "live"), ("tail", "tail")):
+            end += regions[region]
+            if position < end:
+                return name
+        raise ValueError(f"position {position} is outside a cache of {tokens} tokens")
+
+
+SCHEME = register_scheme(KvarnScheme(
+    "kvarn", "Hadamard rotation + variance-normalized 128x128 records, fp16 sink and tail (KVarN)",
+    cache_class=KVarNCache, color="#ff7f0e"))

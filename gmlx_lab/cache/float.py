@@ -6,7 +6,10 @@ Each token's row is cut into groups; a group shares one 8-bit scale and each val
          returns no per-tensor scale by default, so none is stored);
   mxfp8  8-bit E4M3 values, groups of 32 sharing an E8M0 scale.
 The format is (bits, group_size): 4 and 32, 4 and 16, 8 and 32 (the only ones MLX accepts). With
-`rotation=1` each head is first turned by the normalized Hadamard transform, as affine_rot does.
+`rotation=1` each head is first turned by the normalized Hadamard transform, as affine_rot does. Specs may name
+the format ("mxfp4", "nvfp4_rot", "mxfp8") or spell it out ("float4:g=16,rot=1"). The block base derives the byte
+formula, the policy rule and the audit. What it rotates, scales and keeps fp16, and its bytes per token:
+docs/field.md.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...registry import Option
-from ..checked import CheckedBlockCache
+from ..registry import Option, register_scheme
+from .block import BlockCache, BlockScheme
+from .options import with_sink
 
 FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group_size) -> mx.quantize mode
 
@@ -29,7 +33,7 @@ def float_format(bits: int, group_size: int) -> str:
     return FORMATS[(bits, group_size)]
 
 
-class FloatCache(CheckedBlockCache):
+class FloatCache(BlockCache):
     """Each token's K/V row as microscaling floats (codes in uint32 words, one uint8 scale per group)."""
 
     scheme = "float"
@@ -69,3 +73,23 @@ class FloatCache(CheckedBlockCache):
         codes, scales = parts
         return mx.dequantize(codes, scales, group_size=self.group_size, bits=self.bits, mode=self.mode,
                              dtype=mx.float32)
+
+
+class FloatScheme(BlockScheme):
+    """One scheme, three formats: the label names the format; the options are the class's (FloatCache.OPTIONS)."""
+
+    def label(self, values: dict[str, Any]) -> str:
+        """`mxfp4`, `nvfp4_rot`, `mxfp8 tail=128 sink=4`."""
+        label = float_format(values["bits"], values["group_size"]) + ("_rot" if values["rotation"] else "")
+        label += f" tail={values['kv_tail_tokens']}" if values["kv_tail_tokens"] else ""
+        return with_sink(label, values)
+
+    def spec_words(self) -> dict[str, dict[str, Any]]:
+        """mxfp4, nvfp4, mxfp8 and their _rot twins."""
+        return {name + rot: {"bits": b, "group_size": g, "rotation": int(bool(rot))}
+                for (b, g), name in FORMATS.items() for rot in ("", "_rot")}
+
+
+SCHEME = register_scheme(FloatScheme(
+    "float", "microscaling floats per token (mxfp4, nvfp4, mxfp8 via mx.quantize), Hadamard rotation optional",
+    cache_class=FloatCache, color="#e377c2"))

@@ -19,11 +19,11 @@ Every encoding function works on a batch of tiles (..., 128, 128) at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from .regions import block_regions
+from ..buffers import KV
+from ..regions import block_regions
 
 TILE = 128  # tokens per record, and channels per record slice
 KVARN_BITS = (2, 3, 4, 5, 6, 8)  # the code widths of a record
@@ -192,13 +192,6 @@ class Records:
         return replace(self, codes=self.codes[index], scale_axis=self.scale_axis[index],
                        zp_axis=self.zp_axis[index], other_axis=self.other_axis[index],
                        imbalance_before=None, imbalance_after=None)
-
-
-class KV(NamedTuple):
-    """A key and a value of anything (arrays, records, buffers): named fields instead of [K, V] lists."""
-
-    k: Any
-    v: Any
 
 
 @dataclass

@@ -14,6 +14,10 @@ estimate of the true score (tests/test_field_schemes.py checks the mean over see
 
 Codes are packed to their width into uint32 words (`pack_bits`), norms fp16: d * bits / 8 + 2 bytes per
 vector, and d / 8 + 2 more for K's QJL signs and residual norm.
+
+vLLM's presets in this lab's spec grammar: turboquant_k8v4 -> `turboquant:k8v4`, turboquant_4bit_nc ->
+`turboquant4`, turboquant_k3v4_nc (3.5 bits a value) -> `turboquant:k3v4`, turboquant_3bit_nc -> `turboquant3`.
+What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ...registry import Option
-from ..buffers import STORE_DTYPE
-from ..checked import CheckedBlockCache
-from ..options import split_widths, width_options
+from ..registry import Option, register_scheme
+from .block import BlockCache, BlockScheme
+from .buffers import STORE_DTYPE
+from .options import split_widths, width_options, with_sink
 
 TURBOQUANT_BITS = (2, 3, 4, 8)
 
@@ -130,7 +134,7 @@ def qjl_matrix(seed: int, dim: int) -> mx.array:
     return mx.array((np.round(s * 1024) / 1024).astype(np.float32))
 
 
-class TurboQuantCache(CheckedBlockCache):
+class TurboQuantCache(BlockCache):
     """Randomized Hadamard rotation per head, Lloyd-Max codes per coordinate, fp16 norms (QJL for K optional)."""
 
     scheme = "turboquant"
@@ -193,3 +197,21 @@ class TurboQuantCache(CheckedBlockCache):
         if self._shape is not None:
             return self._shape[2] if kind == "k" else self._shape[3]
         return self.encoded_dims[kind]
+
+
+class TurboQuantScheme(BlockScheme):
+    """K and V widths apart, as vLLM's presets (`turboquant:k3v4` is 3.5 bits a value); the options are the
+    class's (TurboQuantCache.OPTIONS)."""
+
+    def label(self, values: dict[str, Any]) -> str:
+        """`turboquant4`, `turboquant k3v4 qjl tail=128 sink=4` (the tail only when there is one)."""
+        label = self.name + (f"{values['k_bits']}" if values["k_bits"] == values["v_bits"]
+                             else f" k{values['k_bits']}v{values['v_bits']}")
+        label += " qjl" if values["qjl"] else ""
+        label += f" tail={values['kv_tail_tokens']}" if values["kv_tail_tokens"] else ""
+        return with_sink(label, values)
+
+
+SCHEME = register_scheme(TurboQuantScheme(
+    "turboquant", "TurboQuant: randomized Hadamard rotation, Lloyd-Max codes per coordinate, fp16 norms, "
+    "optional QJL residual for K", cache_class=TurboQuantCache, color="#d62728"))

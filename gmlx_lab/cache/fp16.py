@@ -1,15 +1,22 @@
-"""The fp16 baseline: K and V stored as float16, whatever dtype the model computes in."""
+"""The fp16 baseline: K and V stored as float16, whatever dtype the model computes in; the scheme every other is
+measured against.
+
+Its cache is not a block cache: it stores tokens as they come (the fp16 store the block base keeps its sink and
+tail in) and encodes nothing; `Scheme.make_cache` builds it from the class, as for a plug-in.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-from ...window import GROUP, SINK_TOKENS, groups_to_drop
-from .. import saved
-from ..base import GmlxCache, array_bytes
-from ..buffers import STORE_DTYPE, GrowingBuffer
+from ..registry import BASELINE, Scheme, register_scheme
+from . import saved
+from .base import GmlxCache, array_bytes
+from .buffers import STORE_DTYPE, GrowingBuffer
+from .window import GROUP, SINK_TOKENS, groups_to_drop
 
 LAYOUT = "gmlx_lab.FP16Cache/1"  # the last item of `state`: a saved state of another layout is refused
 STATE_ITEMS = 12  # K, V, offset, layer, window size, dropped, sliding window and hold, the K/V shape
@@ -40,7 +47,7 @@ class FP16Cache(GmlxCache):
         return self._return(k, v)
 
     def _roll(self, newest: int) -> None:
-        """The rolling window: drop the oldest groups after the sink (gmlx_lab/window.py)."""
+        """The rolling window: drop the oldest groups after the sink (cache/window.py)."""
         drop = groups_to_drop(self.held, self.max_kv_size, newest) * GROUP
         if drop:
             for buf in (self.keys, self.values):
@@ -114,3 +121,21 @@ class FP16Cache(GmlxCache):
         r.array(keys, "K", (b, h, self.held, dk), STORE_DTYPE)
         r.array(values, "V", (b, h, self.held, dv), STORE_DTYPE)
         r.held_state(self)
+
+
+class FP16Scheme(Scheme):
+    """No options; every layer it is asked about stays fp16; the cache is its class (`Scheme.make_cache`)."""
+
+    def declines(self, kind: str, k_dim: int, v_dim: int, options: dict[str, Any]) -> str | None:
+        return "fp16 scheme"
+
+    def layer_bytes(self, tokens: int, kv_heads: int, k_dim: int, v_dim: int, options: dict[str, Any]) -> float:
+        """2 bytes per value: kv_heads * tokens * (dk + dv) * 2."""
+        return kv_heads * tokens * (k_dim + v_dim) * 2.0
+
+    def roundtrip(self, x: np.ndarray, kind: str, options: dict[str, Any]) -> np.ndarray:
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+SCHEME = register_scheme(FP16Scheme(BASELINE, "K and V stored as float16 (the baseline)", cache_class=FP16Cache,
+                                    color="#9e9e9e"))

@@ -5,23 +5,27 @@ KIVI gives each K channel its own scale and offset over a block of tokens instea
 the block's 32 tokens share them), and V, whose errors average out over the attention weights, its groups of
 32 channels per token. Codes are mlx's affine codes (`mx.quantize`), packed into uint32 words; scales and
 offsets fp16. The block base keeps the newest `kv_tail_tokens` tokens (default 128, as HF transformers'
-`residual_length`) and the block being filled in fp16.
+`residual_length`) and the block being filled in fp16, and derives the byte formula, the policy rule and the
+audit from the class; the registry entry names the label. Notebook 09 builds its own `my_kivi` to teach the
+block base. What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
-from ...registry import Option
-from ..buffers import STORE_DTYPE
-from ..checked import CheckedBlockCache
-from ..options import split_widths, width_options
+from ..registry import Option, register_scheme
+from .block import BlockCache, BlockScheme
+from .buffers import STORE_DTYPE
+from .options import split_widths, width_options, with_sink
 
 V_GROUP = 32  # channels of a V token sharing one scale and offset (KIVI's group size)
 KIVI_BITS = (2, 3, 4, 5, 6, 8)  # the widths mx.quantize's affine mode packs
 
 
-class KiviCache(CheckedBlockCache):
+class KiviCache(BlockCache):
     """K per channel over blocks of 32 tokens, V per token in groups of 32 channels, both affine codes."""
 
     scheme = "kivi"
@@ -48,3 +52,16 @@ class KiviCache(CheckedBlockCache):
             x = mx.dequantize(codes, scales, biases, group_size=self.block_tokens, bits=self.k_bits)
             return x.swapaxes(-1, -2).astype(mx.float32)
         return mx.dequantize(codes, scales, biases, group_size=V_GROUP, bits=self.v_bits).astype(mx.float32)
+
+
+class KiviScheme(BlockScheme):
+    """K and V widths apart (`kivi:k2v4`), like kvarn's; the options are the class's (KiviCache.OPTIONS)."""
+
+    def label(self, values: dict[str, Any]) -> str:
+        """`kivi2 tail=128`, `kivi k2v4 tail=128 sink=4`."""
+        return with_sink(super().label(values), values)
+
+
+SCHEME = register_scheme(KiviScheme(
+    "kivi", "KIVI: K per channel over blocks of 32 tokens, V per token in groups of 32 channels, fp16 recent window",
+    cache_class=KiviCache, color="#8c564b"))

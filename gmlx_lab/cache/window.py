@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from .records import SINK_TOKENS, TILE, region_tokens
+from .kvarn.records import SINK_TOKENS, TILE, region_tokens
 
 GROUP = TILE  # tokens that leave together
 

@@ -1,0 +1,237 @@
+"""affine's kernel: decode attention straight from mx.quantize codes (`affine_decode.body`), its launch code and
+its pure-MLX emulation; the split-K machinery it shares with kvarn's kernel is `splits.py`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+from .build import graph_function, kernel_backend, launch
+from .splits import (
+    DTYPE_IDS,
+    MAX_QUERY_TOKENS,
+    NEG_INF,
+    SplitCounter,
+    chunks,
+    flat,
+    float_params,
+    group_queries,
+    kernel_merges,
+    merge_splits,
+    split_size,
+    step_params,
+    ungroup,
+)
+
+QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
+# affine_decode splits hold at least this many 128-token tiles: a threadgroup's fixed work (queries in, partials
+# out, merged later) costs more than tiles do (the sweep: benchmarks/results/split_sweep-h200.json)
+AFFINE_MIN_TILES = 16
+
+
+def affine_qb_max(d: int) -> int:
+    """Query vectors per affine_decode threadgroup: QB_MAX, but 3 past head_dim 512 on Metal, where a threadgroup
+    has 32 KB of memory and each query vector takes 4 D bytes + 4.6 KB of it (itself, its softmax weights and
+    the token lanes' outputs): 35 KB for four at head_dim 1024."""
+    return 3 if d > 512 and kernel_backend() == "metal" else QB_MAX
+
+
+class AffinePlan(NamedTuple):
+    """The launch geometry of one affine_decode call: plain ints, the key of its compiled graph
+    (build.graph_function)."""
+
+    per: int  # tokens per split
+    nsplit: int
+    qb: int  # query vectors per threadgroup
+    nchunk: int
+    bits: int
+    group_size: int
+    length: int  # query tokens
+    causal: bool
+    rotate: bool  # a rotated cache: the merged output is rotated back
+    merge: bool  # the kernel merges its own splits (kernel_merges)
+
+
+def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: int, length: int, causal: bool,
+                per_split: int | None = None, rotate: bool = False) -> AffinePlan:
+    """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads:
+    splits of `per_split` tiles, else of at least AFFINE_MIN_TILES tiles, more where that still leaves
+    TARGET_GROUPS threadgroups."""
+    return _affine_plan(nq, bh, -(-tokens // 128), bits, group_size, length, causal, per_split, rotate,
+                        affine_qb_max(d), kernel_merges())
+
+
+@lru_cache(maxsize=256)
+def _affine_plan(nq: int, bh: int, tiles: int, bits: int, group_size: int, length: int, causal: bool,
+                 per_split: int | None, rotate: bool, qb_max: int, merge: bool) -> AffinePlan:
+    """affine_plan's arithmetic, once per geometry (the layers of a decode step repeat it; it moves every 128
+    tokens)."""
+    qb, nchunk = chunks(nq, qb_max)
+    per_tiles = per_split or min(tiles, max(AFFINE_MIN_TILES, split_size(tiles, bh * nchunk)))
+    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, group_size, length, causal, rotate,
+                      merge)
+
+
+def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
+    """affine_decode's int and float parameter arrays (the token count moves every step)."""
+    return step_params((tokens, cap, plan.per, int(plan.causal)), 0), float_params(scale)
+
+
+def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], vparts: list[mx.array],
+                        params: mx.array, fparams: mx.array, counter: mx.array) -> tuple[mx.array, ...]:
+    """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg; with
+    plan.merge their merge (BH, NQ, D) in qg's dtype, rotated back if plan.rotate, and the counter for the next
+    launch (else placeholders). `counter`: BH * NCHUNK zeros (SplitCounter)."""
+    bh, nq, d = qg.shape
+    if plan.merge and counter.size != bh * plan.nchunk:
+        raise ValueError(f"affine_decode: a counter of {counter.size} for {bh * plan.nchunk} (kv head, query chunk)s")
+    inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
+              "vbi": vparts[2], "params": params, "fparams": fparams, "counter": counter}
+    return tuple(launch(
+        "affine_decode", inputs,
+        {"part_o": ((bh, plan.nsplit, nq, d), mx.float32), "part_lse": ((bh, plan.nsplit, nq), mx.float32),
+         "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype),
+         "counter_out": ((counter.size,) if plan.merge else (1,), mx.uint32)},
+        grid=(128, plan.nsplit, bh * plan.nchunk), threadgroup=(128, 1, 1),
+        template={"BITS": plan.bits, "GS": plan.group_size, "D": d, "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk,
+                  "L": plan.length, "MERGE": int(plan.merge), "ROTATE": int(plan.rotate), "QDT": DTYPE_IDS[qg.dtype]},
+    ))
+
+
+def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: list[mx.array], tokens: int,
+                    bits: int, group_size: int, length: int, causal: bool, per_split: int | None = None,
+                    emulate: bool = False) -> tuple[mx.array, mx.array]:
+    """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...)."""
+    bh, nq, d = qg.shape
+    plan = affine_plan(nq, d, bh, tokens, bits, group_size, length, causal, per_split)
+    if emulate:
+        return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, bits, group_size, length,
+                                causal, plan.per)
+    part_o, part_lse, *_ = affine_split_kernel(plan, qg, kparts, vparts,
+                                               *affine_params(plan, tokens, kparts[0].shape[2], scale),
+                                               mx.zeros((bh * plan.nchunk,), mx.uint32))
+    return part_o, part_lse
+
+
+def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, bits: int,
+                     gs: int, length: int, causal: bool, per: int) -> tuple[mx.array, mx.array]:
+    """The affine_decode threadgroup algorithm in MLX: per 128-token tile, scale * (q . codes) + bias * sum(q);
+    values as (p * scale) . codes + sum(p * bias) per group."""
+    bh, nq, d = qg.shape
+    ng = d // gs
+    kw, ksc, kbi = (flat(p)[:, :tokens] for p in kparts)
+    vw, vsc, vbi = (flat(p)[:, :tokens] for p in vparts)
+    kcode = _unpack_affine(kw, bits, d)  # (BH, T, D)
+    vcode = _unpack_affine(vw, bits, d)
+    qgrp = qg.reshape(bh, nq, ng, gs)
+    qsum = qgrp.sum(axis=-1)
+    qtok = mx.arange(nq) % length
+    outs, lses = [], []
+    for t_begin in range(0, tokens, per):
+        m = mx.full((bh, nq), NEG_INF)
+        den = mx.zeros((bh, nq))
+        acc = mx.zeros((bh, nq, ng, gs))
+        for t0 in range(t_begin, min(tokens, t_begin + per), 128):
+            t1 = min(tokens, t_begin + per, t0 + 128)
+            kq = kcode[:, t0:t1].reshape(bh, t1 - t0, ng, gs)
+            dq = mx.einsum("bjge,btge->bjtg", qgrp, kq)
+            score = (ksc[:, None, t0:t1].astype(mx.float32) * dq
+                     + kbi[:, None, t0:t1].astype(mx.float32) * qsum[:, :, None]).sum(axis=-1)
+            if causal:
+                hidden = mx.arange(t0, t1)[None, :] > (tokens - length + qtok)[:, None]
+                score = mx.where(hidden[None], NEG_INF, score)
+            m_new = mx.maximum(m, score.max(axis=-1))
+            alpha = mx.where(m == NEG_INF, 0.0, mx.exp(m - m_new))
+            p = mx.where(score == NEG_INF, 0.0, mx.exp(score - m_new[..., None]))
+            den = den * alpha + p.sum(axis=-1)
+            vq = vcode[:, t0:t1].reshape(bh, t1 - t0, ng, gs)
+            ps = p[..., None] * vsc[:, None, t0:t1].astype(mx.float32)  # (BH, NQ, T, G): p * scale
+            pb = (p[..., None] * vbi[:, None, t0:t1].astype(mx.float32)).sum(axis=2)  # sum_t p * bias, per group
+            acc = acc * alpha[..., None, None] + mx.einsum("bjtg,btge->bjge", ps, vq) + pb[..., None]
+            m = m_new
+        outs.append((acc / den[..., None, None]).reshape(bh, nq, d))
+        lses.append(m + mx.log(den))
+    return mx.stack(outs, axis=1), mx.stack(lses, axis=1)
+
+
+def _unpack_affine(words: mx.array, bits: int, d: int) -> mx.array:
+    """Codes (..., D) float32 from mx.quantize words (..., D*bits/32): one plain LSB-first bit stream."""
+    stream = (words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    stream = stream.reshape(*words.shape[:-1], d, bits)
+    return (stream << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.float32)
+
+
+def affine_attend(queries: mx.array, scale: float, mask: Any, parts: list[list[mx.array]], tokens: int, bits: int,
+                  group_size: int, rotate: bool, emulate: bool = False, counter: SplitCounter | None = None
+                  ) -> mx.array:
+    """Decode attention over affine codes: one split-K kernel whose last threadgroup per kv head merges the splits
+    and, for a rotated cache, rotates the output back (CUDA; elsewhere a second launch, split_merge); no
+    dequantized copy. parts: K and V buffers [codes, scales, biases] of (B, Hkv, CAP, ...) whose first `tokens`
+    rows hold tokens; `counter`: the cache's SplitCounter (a fresh one each call without it). On a GPU the
+    whole is one compiled graph per launch geometry (`build.graph_function`), as for kvarn."""
+    b, hq, length, d = queries.shape
+    kparts, vparts = parts
+    hkv = kparts[0].shape[1]
+    causal = isinstance(mask, str) and length > 1
+    if emulate:
+        q = mx.hadamard_transform(queries) if rotate else queries
+        part_o, part_lse = affine_partials(group_queries(q, hkv), scale, kparts, vparts, tokens, bits, group_size,
+                                           length, causal, emulate=True)
+        out, _ = merge_splits(part_o, part_lse, rotate=rotate, dtype=queries.dtype, emulate=True)
+        return ungroup(out, b, hq, length)
+    call = AffineCall(queries.shape, scale, causal, parts, tokens, bits, group_size, rotate)
+    return call(queries, tokens, counter or SplitCounter())
+
+
+class AffineCall:
+    """An affine_decode call prepared for decode steps, as `KvarnCall`: its plan, compiled graph and the inputs that
+    stay (the code buffers, the scale). A step passes the queries, the token count and the counter. The plan
+    holds while the tokens stay in one 128-token tile and the buffers are the same objects (AffineCache keeps
+    it that long)."""
+
+    def __init__(self, shape: tuple[int, ...], scale: float, causal: bool, parts: list[list[mx.array]], tokens: int,
+                 bits: int, group_size: int, rotate: bool):
+        b, hq, length, d = shape
+        kparts, vparts = parts
+        hkv = kparts[0].shape[1]
+        self.plan = affine_plan((hq // hkv) * length, d, b * hkv, tokens, bits, group_size, length, causal,
+                                rotate=rotate)
+        self.arrays = (*kparts, *vparts)
+        self.cap, self.scale = kparts[0].shape[2], scale
+        self.counter_size = b * hkv * self.plan.nchunk
+        self.graph = graph_function(_affine_graph, (self.plan, hkv))
+
+    def __call__(self, queries: mx.array, tokens: int, counter: SplitCounter) -> mx.array:
+        params = affine_params(self.plan, tokens, self.cap, self.scale)
+        out, after = self.graph(queries, *self.arrays, *params, counter.take(self.counter_size))
+        counter.put(after)
+        return out
+
+
+def _affine_graph(key: tuple[AffinePlan, int], queries: mx.array, *arrays: mx.array) -> tuple[mx.array, mx.array]:
+    """affine decode attention as a graph of arrays: rotate the queries (affine_rot), split kernel (merging its
+    splits, or then split_merge); returns the output and the counter for the next launch."""
+    plan, hkv = key
+    b, hq, length, _ = queries.shape
+    kw, ksc, kbi, vw, vsc, vbi, params, fparams, counter = arrays
+    q = mx.hadamard_transform(queries) if plan.rotate else queries
+    part_o, part_lse, out, after = affine_split_kernel(plan, group_queries(q, hkv), [kw, ksc, kbi], [vw, vsc, vbi],
+                                                       params, fparams, counter)
+    if not plan.merge:
+        out, _ = merge_splits(part_o, part_lse, rotate=plan.rotate, dtype=queries.dtype)
+        after = counter
+    return ungroup(out, b, hq, length), after
+
+
+def affine_supported(queries: mx.array, mask: Any) -> bool:
+    """Whether the fused affine path applies: 1..4 query tokens, mask None or 'causal', and a head dim whose
+    8-channel groups tile the 128 threads (32, 64, ..., 1024)."""
+    if not 1 <= queries.shape[2] <= MAX_QUERY_TOKENS or queries.dtype not in DTYPE_IDS:
+        return False
+    d = queries.shape[-1]
+    if d % 32 or d > 1024 or 128 % (d // 8):
+        return False
+    return mask is None or (isinstance(mask, str) and mask == "causal")
