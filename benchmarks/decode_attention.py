@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from gmlx_lab.cache.affine.cache import AffineCache
-from gmlx_lab.cache.kvarn.cache import KVarNCache
+from gmlx_lab.cache.kvarn.cache import KvarnCache
 from gmlx_lab.cache.kvarn.records import encode_tokens
 from gmlx_lab.kernels import active_backend, config, precompiled, seal_records
 
@@ -120,8 +120,8 @@ def fused_affine_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: floa
 
 
 def fused_kvarn_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float, bits: int) -> Call:
-    """gmlx's KVarNCache (tail 1024) on its fused decode path, in the steady state of a decode step."""
-    c = KVarNCache(bits, bits, kv_tail_tokens=1024)
+    """gmlx's KvarnCache (tail 1024) on its fused decode path, in the steady state of a decode step."""
+    c = KvarnCache(bits, bits, kv_tail_tokens=1024)
     c.update_and_fetch(k, v)
     c.seal()  # what the next token would seal: the steady state of a decode step
     c.attention_path = "fused"

@@ -67,7 +67,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from gmlx_lab import make_cache
-from gmlx_lab.cache import AffineCache, GmlxCache, KVarNCache
+from gmlx_lab.cache import AffineCache, GmlxCache, KvarnCache
 from gmlx_lab.cli import EVAL_TEXT, encode, load_model, scheme_list
 from gmlx_lab.kernels import active_backend, config, precompiled
 from gmlx_lab.measure.fidelity import parse_scheme_spec, scheme_label
@@ -151,13 +151,13 @@ def new_cache(model: nn.Module, spec: str) -> tuple[Any, str]:
 def lean_fetch() -> Any:
     """Probe: update_and_fetch builds no decoded K/V to hand back (it returns stored arrays, so attention still
     takes the fused path): what the graph of the returned K/V costs."""
-    kvarn_fetch, affine_stored = KVarNCache.fetch, AffineCache.stored
-    KVarNCache.fetch = lambda self, dtype=None, decode_step=False: (self.recent.k.data, self.recent.v.data)
+    kvarn_fetch, affine_stored = KvarnCache.fetch, AffineCache.stored
+    KvarnCache.fetch = lambda self, dtype=None, decode_step=False: (self.recent.k.data, self.recent.v.data)
     AffineCache.stored = lambda self, end, dtype: (self.packed[0][1].data, self.packed[1][1].data)
     try:
         yield
     finally:
-        KVarNCache.fetch, AffineCache.stored = kvarn_fetch, affine_stored
+        KvarnCache.fetch, AffineCache.stored = kvarn_fetch, affine_stored
 
 
 def setting(**settings: Any) -> Any:

@@ -33,7 +33,7 @@ from fidelity_sweep import machine
 from model_decode import device_name, git_commit
 
 from gmlx_lab import mlx_lm_hooks
-from gmlx_lab.cache import AffineCache, FP16Cache, KVarNCache
+from gmlx_lab.cache import AffineCache, FP16Cache, KvarnCache
 from gmlx_lab.cache.kvarn.records import TILE, encode_tokens
 from gmlx_lab.kernels import active_backend, seal_records
 
@@ -41,8 +41,8 @@ HQ, HKV, D = 32, 8, 128
 SCHEMES: dict[str, Callable[[], Any]] = {
     "fp16": FP16Cache,
     "affine4": lambda: AffineCache(bits=4),
-    "kvarn6": lambda: KVarNCache(6, 6),
-    "kvarn4": lambda: KVarNCache(4, 4),
+    "kvarn6": lambda: KvarnCache(6, 6),
+    "kvarn4": lambda: KvarnCache(4, 4),
 }
 
 
@@ -75,7 +75,7 @@ def filled(make: Callable[[], Any], context: int, chunk: int, dtype: mx.Dtype) -
     return cache
 
 
-def kvarn_pieces(cache: KVarNCache, chunk: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
+def kvarn_pieces(cache: KvarnCache, chunk: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
     """kvarn's share of a chunk: sealing a chunk's worth of groups (K and V), and fetching the decoded K/V."""
     seal = seal_records if active_backend() != "cpu" else encode_tokens
     groups = mx.random.normal((1, HKV, chunk // TILE * TILE, D)).astype(mx.float16)
@@ -109,7 +109,7 @@ def measure(context: int, chunk: int, repeats: int, dtype: mx.Dtype) -> list[dic
             return [out, *leaves(c.state)]
         row = {"scheme": name, "context": context, "chunk": chunk, "chunk_ms": median_ms(step, repeats),
                "sdpa_ms": sdpa}
-        if isinstance(cache, KVarNCache):
+        if isinstance(cache, KvarnCache):
             row.update(kvarn_pieces(cache, chunk, repeats, dtype))
         rows.append(row)
         del cache

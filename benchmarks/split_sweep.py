@@ -21,7 +21,7 @@ from decode_attention import HKV, HQ, D, timed
 from model_decode import device_name, git_commit
 
 from gmlx_lab.cache.affine.cache import AffineCache
-from gmlx_lab.cache.kvarn.cache import KVarNCache
+from gmlx_lab.cache.kvarn.cache import KvarnCache
 from gmlx_lab.kernels import active_backend, config
 from gmlx_lab.kernels.affine import affine_partials, affine_plan
 from gmlx_lab.kernels.kvarn import kvarn_partials, kvarn_plan
@@ -58,7 +58,7 @@ def sweep_context(tokens: int, iters: int, repeats: int) -> list[dict]:
                 *affine_partials(qg, scale, kp, vp, tokens, bits, 64, 1, False, per_split=tiles), dtype=q.dtype),
                 tiles == chosen)
     for bits in (6, 4):
-        c = KVarNCache(bits, bits, kv_tail_tokens=1024)
+        c = KvarnCache(bits, bits, kv_tail_tokens=1024)
         c.update_and_fetch(k, v)
         c.seal()
         mx.eval([a for a in c.state if isinstance(a, mx.array)], [r.arrays for r in c.records])

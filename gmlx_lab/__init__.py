@@ -1,19 +1,14 @@
-"""gmlx_lab: learn, see and measure KV-cache quantization (fp16, affine, kvarn) on MLX.
+"""gmlx_lab: learn, see and measure KV-cache quantization (fp16, affine, kvarn, TurboQuant, mxfp4/nvfp4/mxfp8,
+KIVI) on MLX.
 
-Tiers, lowest first (a module imports only from its own tier or below; tests/test_layout.py finds circles):
-  records, window            kvarn's format and the rolling window's rule (no cache class)
-  kernels                    the fused GPU kernels: arrays in, arrays out
-  registry, cache            the Scheme interface; the caches (mlx-lm's cache contract), one folder a built-in scheme
-                             (cache/<name>/: its cache and its registry entry; importing gmlx_lab.cache registers them)
-  policy, specs, plans       which layers a scheme takes; the spec grammar ("kvarn6:tail=128"); per-layer widths
-  measure                    fidelity, audit, memory, sizes, tradeoff, experiments, the verdict, the planner
-  viz, widgets, live, cli    figures, notebook widgets, the command line
+The package's tiers (which module imports which) are drawn once, in CONTRIBUTING.md ("The house in one picture");
+tests/test_layout.py holds them.
 """
 
 __version__ = "0.1.0"
 
 from . import mlx_lm_hooks
-from .cache import AffineCache, AffineRotCache, BlockCache, BlockScheme, FP16Cache, KVarNCache
+from .cache import AffineCache, AffineRotCache, BlockCache, BlockScheme, FP16Cache, KvarnCache
 from .cache.saved import SavedCacheError, load_prompt_cache
 from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.tradeoff.versus, ...)
 from .measure.audit import audit
@@ -28,7 +23,7 @@ from .specs import parse_scheme_spec
 mlx_lm_hooks.install()  # mlx-lm's attention routes to a cache's own `attend` (the one change gmlx_lab makes there)
 
 __all__ = [
-    "SCHEMES", "AffineCache", "AffineRotCache", "BlockCache", "BlockScheme", "FP16Cache", "KVarNCache", "Option",
+    "SCHEMES", "AffineCache", "AffineRotCache", "BlockCache", "BlockScheme", "FP16Cache", "KvarnCache", "Option",
     "Plan", "Policy", "PromptCache", "Scheme", "audit", "available_models", "fidelity", "get_scheme", "load",
     "load_plan", "make_cache", "plan",
     "SavedCacheError", "load_prompt_cache", "parse_scheme_spec", "policy", "register_scheme",

@@ -52,14 +52,16 @@ def install() -> None:
             module.scaled_dot_product_attention = scaled_dot_product_attention
 
 
-def register_cache_class(cls: type) -> None:
-    """Make `cls` findable by `load_prompt_cache`, or raise a ValueError if another class holds its name."""
-    taken = getattr(mlx_cache, cls.__name__, None)
+def register_cache_class(cls: type, name: str | None = None) -> None:
+    """Make `cls` findable by `load_prompt_cache` under its name (or `name`: the name files saved before a rename
+    carry), or raise a ValueError if another class holds it."""
+    name = name or cls.__name__
+    taken = getattr(mlx_cache, name, None)
     if taken is not None and taken is not cls and not same_class(taken, cls):
-        raise ValueError(f"cache class name {cls.__name__!r} is taken in mlx_lm.models.cache (by "
+        raise ValueError(f"cache class name {name!r} is taken in mlx_lm.models.cache (by "
                          f"{taken.__module__}.{taken.__qualname__}); load_prompt_cache finds classes by name "
                          "there: name your cache class differently")
-    setattr(mlx_cache, cls.__name__, cls)
+    setattr(mlx_cache, name, cls)
 
 
 def same_class(a: type, b: type) -> bool:

@@ -96,6 +96,9 @@ class Scheme:
     options: tuple[Option, ...] = ()
     cache_class: type | None = None  # what make_cache returns: the audit checks it, save/load finds it by name
     color: str = "#7f7f7f"  # in the figures
+    # option sets the generic tests run this scheme with (tests/schemes.py: every registered scheme, built-in or
+    # plug-in, goes through the same matrix); none: its defaults
+    examples: tuple[dict[str, Any], ...] = ()
 
     # -- options --------------------------------------------------------------------------------
     def option(self, name: str) -> Option:

@@ -150,13 +150,13 @@ def test_a_bad_option_value_gets_its_options_message_at_every_entry_point(capsys
     from conftest import tiny_llama
 
     from gmlx_lab import make_cache, parse_scheme_spec
-    from gmlx_lab.cache import KVarNCache
+    from gmlx_lab.cache import KvarnCache
 
     want = "kvarn: kv_tail_tokens=-1 is not supported; accepted: an int >= 0"
     assert cli.main(["policy", "llama", "--schemes", "kvarn6:tail=-1"]) == 2
     assert capsys.readouterr().err.strip() == f"gmlx-lab: error: {want}"
     for entry in (lambda: make_cache(tiny_llama(layers=2), "kvarn", kv_tail_tokens=-1, quiet=True),
                   lambda: parse_scheme_spec("kvarn6:tail=-1"),
-                  lambda: KVarNCache(kv_tail_tokens=-1, layer=1)):
+                  lambda: KvarnCache(kv_tail_tokens=-1, layer=1)):
         with pytest.raises(ValueError, match=want):
             entry()

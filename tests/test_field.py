@@ -10,7 +10,7 @@ from gmlx_lab.measure import field
 from gmlx_lab.measure.tradeoff import versus
 from gmlx_lab.models import specimen
 from gmlx_lab.registry import SCHEMES
-from gmlx_lab.viz.field import inline_labels
+from gmlx_lab.viz.field_figures import inline_labels
 
 
 def test_the_plan_covers_every_registered_scheme_and_case() -> None:
@@ -107,7 +107,7 @@ def test_crowded_labels_go_to_the_legend_and_free_ones_stay() -> None:
 
 
 def test_rows_at_one_place_get_one_name() -> None:
-    from gmlx_lab.viz.field import joined_label
+    from gmlx_lab.viz.field_figures import joined_label
 
     assert joined_label(["kvarn2 tail=1024", "kvarn4 tail=1024", "kvarn6 tail=1024"]) == "kvarn2/4/6 tail=1024"
     assert joined_label(["mxfp4", "nvfp4"]) == "mxfp4, nvfp4"  # not only the width differs

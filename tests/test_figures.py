@@ -25,6 +25,7 @@ from conftest import random_kv
 
 import gmlx_lab
 from gmlx_lab import viz
+from gmlx_lab.cache.kvarn import records
 from gmlx_lab.measure import tradeoff
 from gmlx_lab.measure.capacity import batch_rows
 from gmlx_lab.measure.planner import load_plan_results
@@ -39,7 +40,7 @@ def _k() -> np.ndarray:
     return np.array(k[0, 0])
 
 
-def _record(kind: str = "k") -> gmlx_lab.records.Records:
+def _record(kind: str = "k") -> records.Records:
     return viz.record_of(_k()[128:], 4, kind)
 
 
@@ -285,7 +286,7 @@ def test_normalize_rounds_balance_a_tile() -> None:
     rounds = viz.normalize_rounds(tile, 3)
     assert rounds[0][1] > 2 * rounds[1][1] > 2 * 2
     np.testing.assert_allclose(rounds[0][0], tile, rtol=1e-6)
-    _, _, _, after = gmlx_lab.records.normalize(mx.array(tile.astype(np.float32)), 3)
+    _, _, _, after = records.normalize(mx.array(tile.astype(np.float32)), 3)
     assert rounds[3][1] == pytest.approx(after.item(), rel=1e-5)
 
 

@@ -20,7 +20,7 @@ from conftest import random_kv
 
 from gmlx_lab.cache.affine.cache import AffineCache, AffineRotCache
 from gmlx_lab.cache.attention import grouped_attention
-from gmlx_lab.cache.kvarn.cache import KVarNCache
+from gmlx_lab.cache.kvarn.cache import KvarnCache
 from gmlx_lab.cache.kvarn.records import decode_tiles, decode_tokens, encode_tokens, unpack_rows
 from gmlx_lab.kernels import (
     KERNELS,
@@ -126,7 +126,7 @@ def test_cpu_defaults_to_reference() -> None:
     """On the CPU (the default device set to it, so this runs on GPU machines too) "auto" is the reference and
     "fused" refuses clearly: no kernel runs there outside the tests' CPU-thread runner."""
     with _on_cpu():
-        c = KVarNCache(6, 6, kv_tail_tokens=128)
+        c = KvarnCache(6, 6, kv_tail_tokens=128)
         k, v = c.update_and_fetch(*random_kv(600))
         c.seal()
         q = mx.random.normal((1, 2, 1, 128))
@@ -157,9 +157,9 @@ AFFINE_CASES = [(b, gs, d, lq) for b, gs, d, lq in [
 
 
 def _kvarn_cache(d: int, hkv: int, kb: int, vb: int, tokens: int, tail: int, seed: int,
-                 seal: bool = True) -> KVarNCache:
+                 seal: bool = True) -> KvarnCache:
     """A kvarn cache fed in chunks of 200; `seal` also seals the groups the last chunk made due."""
-    c = KVarNCache(kb, vb, kv_tail_tokens=tail)
+    c = KvarnCache(kb, vb, kv_tail_tokens=tail)
     k, v = random_kv(tokens, hkv, d, seed=seed)
     for i in range(0, tokens, 200):
         c.update_and_fetch(k[:, :, i:i + 200], v[:, :, i:i + 200])
@@ -175,7 +175,7 @@ def _affine_stored(c: AffineCache, dtype: mx.Dtype) -> tuple[mx.array, mx.array]
 
 def _attend(c, q: mx.array, mask) -> mx.array:
     """The cache's attention as mlx-lm's seam calls it: with the K/V that fetching returns."""
-    k, v = c.fetch(q.dtype) if isinstance(c, KVarNCache) else _affine_stored(c, q.dtype)
+    k, v = c.fetch(q.dtype) if isinstance(c, KvarnCache) else _affine_stored(c, q.dtype)
     if isinstance(c, AffineCache) and c.rotate_on_arrival:
         k, v = mx.hadamard_transform(k), mx.hadamard_transform(v)
     return c.attend(q, k, v, q.shape[-1] ** -0.5, mask)
@@ -298,7 +298,7 @@ def test_merging_kernels_hand_their_counter_on(scheme: str, merging_in_kernel: N
 @gpu
 def test_a_decode_call_is_kept_while_its_inputs_are(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kvarn cache prepares its fused call once and makes it again while nothing it was made from changed
-    (KVarNCache._fused_call): decode steps into a new 128-token tile of recent tokens, after a seal, a trim, a
+    (KvarnCache._fused_call): decode steps into a new 128-token tile of recent tokens, after a seal, a trim, a
     changed setting and a changed path each match the reference; the tile, the seal and the setting prepare a new
     call, while a step on the reference path leaves the kept one for when the fused path comes back."""
     import gmlx_lab.cache.kvarn.cache as kvarn_module

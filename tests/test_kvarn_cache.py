@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from conftest import random_kv
 
-from gmlx_lab.cache import KVarNCache
+from gmlx_lab.cache import KvarnCache
 from gmlx_lab.cache.kvarn.records import region_tokens
 from gmlx_lab.registry import get_scheme
 
@@ -35,7 +35,7 @@ def states_equal(a, b):
 def test_regions_follow_the_spec(tail, total):
     """Once sealed, the regions are the spec's: sink 128, whole records that left the tail, live < 128."""
     k, v = random_kv(total)
-    cache = KVarNCache(4, 4, kv_tail_tokens=tail)
+    cache = KvarnCache(4, 4, kv_tail_tokens=tail)
     feed(cache, k, v, [total])
     assert cache.region_tokens() == region_tokens(total, tail, newest=total)  # one update: nothing sealed yet
     cache.seal()
@@ -54,9 +54,9 @@ def test_chunks_seal_what_is_due_and_store_the_same_once_sealed(tail, chunks):
     """Each update seals the groups that left the tail before it; the regions follow `records.region_tokens`
     with the update's length, and once everything due is sealed the stored state does not depend on chunking."""
     k, v = random_kv(300, seed=1)
-    whole = KVarNCache(6, 5, kv_tail_tokens=tail)
+    whole = KvarnCache(6, 5, kv_tail_tokens=tail)
     feed(whole, k, v, [300])
-    split = KVarNCache(6, 5, kv_tail_tokens=tail)
+    split = KvarnCache(6, 5, kv_tail_tokens=tail)
     feed(split, k, v, chunks)
     assert split.region_tokens() == region_tokens(300, tail, newest=chunks[-1])
     whole.seal()
@@ -66,7 +66,7 @@ def test_chunks_seal_what_is_due_and_store_the_same_once_sealed(tail, chunks):
 
 def test_token_by_token_seals_a_group_one_token_after_it_leaves_the_tail():
     k, v = random_kv(600, seed=2)
-    cache = KVarNCache(4, 4, kv_tail_tokens=100)
+    cache = KvarnCache(4, 4, kv_tail_tokens=100)
     for t in range(600):
         cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
         sealed = max(0, t - 128 - 100) // 128 * 128  # the groups that had left the tail before token t
@@ -75,7 +75,7 @@ def test_token_by_token_seals_a_group_one_token_after_it_leaves_the_tail():
 
 def test_fetched_kv_decode_the_stored_records():
     k, v = random_kv(700)
-    cache = KVarNCache(8, 8, kv_tail_tokens=128)
+    cache = KvarnCache(8, 8, kv_tail_tokens=128)
     feed(cache, k[:, :, :699], v[:, :, :699], [699])
     kk, vv = feed(cache, k[:, :, 699:], v[:, :, 699:], [1])  # this update seals what the first one left due
     r = cache.region_tokens()
@@ -92,7 +92,7 @@ def test_fetched_kv_decode_the_stored_records():
 @pytest.mark.parametrize("q_len", [1, 4, 37])
 def test_attention_over_cache_equals_attention_over_decoded_kv(dim, q_len):
     k, v = random_kv(520, dim=dim)
-    cache = KVarNCache(4, 3, kv_tail_tokens=128)
+    cache = KvarnCache(4, 3, kv_tail_tokens=128)
     kk, vv = feed(cache, k, v, [520 - q_len, q_len])
     mx.random.seed(3)
     q = mx.random.normal((1, 6, q_len, dim))
@@ -118,7 +118,7 @@ def test_reference_attention_takes_array_masks_by_region(kind):
     """The reference path attends to records and fp16 tokens apart (cache.attend on the CPU): an array mask over
     the fetched K/V's columns (sink, body, recent) must reach each region's columns."""
     k, v = random_kv(700, heads=2, dim=128)
-    cache = KVarNCache(4, 4, kv_tail_tokens=128)
+    cache = KvarnCache(4, 4, kv_tail_tokens=128)
     kk, vv = feed(cache, k, v, [690, 10])
     assert cache.n_records > 0 and cache.region_tokens()["sink"] == 128
     mx.random.seed(5)
@@ -133,7 +133,7 @@ def test_reference_attention_takes_array_masks_by_region(kind):
 
 def test_nbytes_is_exact_and_records_are_2048b_plus_768():
     k, v = random_kv(1000, heads=2, dim=256)
-    cache = KVarNCache(6, 4, kv_tail_tokens=300)
+    cache = KvarnCache(6, 4, kv_tail_tokens=300)
     feed(cache, k, v, [1000])
     cache.seal()
     regions = cache.regions()
@@ -156,7 +156,7 @@ def test_the_cache_holds_only_the_bytes_it_reports():
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    cache = KVarNCache(4, 4, kv_tail_tokens=128)
+    cache = KvarnCache(4, 4, kv_tail_tokens=128)
     k, v = random_kv(2048, heads=4, dim=128)
     mx.eval(cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16)))
     cache.seal()
@@ -179,7 +179,7 @@ def test_a_chunked_prompt_holds_only_the_bytes_it_reports():
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    cache = KVarNCache(4, 4, kv_tail_tokens=128)
+    cache = KvarnCache(4, 4, kv_tail_tokens=128)
     for start in range(0, 3 * 1024, 1024):
         cache.update_and_fetch(k[:, :, start:start + 1024], v[:, :, start:start + 1024])
         mx.eval(*[a for x in cache.state for a in (x if isinstance(x, tuple) else (x,)) if isinstance(a, mx.array)])
@@ -192,7 +192,7 @@ def test_a_chunked_prompt_holds_only_the_bytes_it_reports():
 
 def test_record_accessor_and_split_widths():
     k, v = random_kv(400)
-    cache = KVarNCache(6, 3, kv_tail_tokens=0)
+    cache = KvarnCache(6, 3, kv_tail_tokens=0)
     feed(cache, k, v, [400])
     cache.seal()
     rk, rv = cache.record("k", 0, 1, 0), cache.record("v", 0, 1, 1)
@@ -204,7 +204,7 @@ def test_record_accessor_and_split_widths():
 
 def test_trim_rolls_back_fp16_tokens_and_refuses_records():
     k, v = random_kv(500)
-    cache = KVarNCache(4, 4, kv_tail_tokens=100)
+    cache = KvarnCache(4, 4, kv_tail_tokens=100)
     feed(cache, k, v, [500])
     cache.seal()
     full_k, full_v = cache.fetch()
@@ -215,7 +215,7 @@ def test_trim_rolls_back_fp16_tokens_and_refuses_records():
     fp16_left = cache.region_tokens()["live"] + cache.region_tokens()["tail"]
     with pytest.raises(ValueError, match="cannot trim"):
         cache.trim(fp16_left + 1)
-    before_records = KVarNCache(4, 4)
+    before_records = KvarnCache(4, 4)
     feed(before_records, k[:, :, :200], v[:, :, :200], [200])
     assert before_records.trim(150) == 150 and before_records.region_tokens()["sink"] == 50
 
@@ -227,12 +227,12 @@ def test_trim_across_single_token_updates_unseals_the_newest_record(tail):
     fp16 copy, exactly: the cache is then the one that never saw the trimmed tokens."""
     k, v = random_kv(270)
     singles, trim = tail + 3, tail + 2  # the last update seals [128, 256); the trim takes token 255 back
-    cache = KVarNCache(4, 4, kv_tail_tokens=tail)
+    cache = KvarnCache(4, 4, kv_tail_tokens=tail)
     feed(cache, k[:, :, :254 + singles], v[:, :, :254 + singles], [254] + [1] * singles)
     assert cache.n_records == 1
     assert cache.trim(trim) == trim and cache.n_records == 0
     kept = 254 + singles - trim
-    never = KVarNCache(4, 4, kv_tail_tokens=tail)
+    never = KvarnCache(4, 4, kv_tail_tokens=tail)
     feed(never, k[:, :, :kept], v[:, :, :kept], [254] + [1] * (kept - 254))
     assert cache.region_tokens() == never.region_tokens()
     assert all(mx.array_equal(a, b) for a, b in zip(cache.fetch(), never.fetch()))
@@ -246,7 +246,7 @@ def test_trim_across_single_token_updates_unseals_the_newest_record(tail):
 
 def test_the_rollback_copy_counts_as_reserve():
     k, v = random_kv(258)
-    cache = KVarNCache(4, 4, kv_tail_tokens=0)
+    cache = KvarnCache(4, 4, kv_tail_tokens=0)
     feed(cache, k, v, [257, 1])
     copy_bytes = sum(x.nbytes for x in cache.rollback)
     assert copy_bytes == 2 * 2 * 128 * 128 * 2 and cache.regions()["reserve"] >= copy_bytes
@@ -256,14 +256,14 @@ def test_the_rollback_copy_counts_as_reserve():
 
 
 def test_kvarn_errors_name_the_layer():
-    cache = KVarNCache(6, 6, layer=3)
+    cache = KvarnCache(6, 6, layer=3)
     k, v = random_kv(10, dim=64)
     with pytest.raises(ValueError, match="layer 3.*head_dim 64.*128/256/512"):
         cache.update_and_fetch(k, v)
     with pytest.raises(ValueError, match="accepted: 2, 3, 4, 5, 6, 8"):
-        KVarNCache(7, 6)
+        KvarnCache(7, 6)
     with pytest.raises(ValueError, match="kv_tail_tokens"):
-        KVarNCache(6, 6, kv_tail_tokens=-1)
+        KvarnCache(6, 6, kv_tail_tokens=-1)
 
 
 def test_the_environment_sets_the_widths_not_given(monkeypatch):
@@ -300,8 +300,8 @@ def test_head_dim_extension_stores_narrow_heads(dim):
     """head_dim_ext=1: records of 128 tokens x the whole head (outside gmlx's format), the same algorithm."""
     k, v = random_kv(700, dim=dim)
     with pytest.raises(ValueError, match=f"head_dim {dim}.*head_dim_ext=1"):
-        KVarNCache(4, 4).update_and_fetch(k, v)
-    cache = KVarNCache(4, 4, kv_tail_tokens=128, head_dim_ext=1)
+        KvarnCache(4, 4).update_and_fetch(k, v)
+    cache = KvarnCache(4, 4, kv_tail_tokens=128, head_dim_ext=1)
     feed(cache, k, v, [699, 1])
     assert cache.n_records == 3 and cache.record("k", 0, 0, 0).codes.shape == (dim, 16)
     assert cache.regions()["record_codes"] == 2 * 2 * 3 * 128 * dim * 4 // 8  # K and V, 2 heads, 3 records
@@ -329,7 +329,7 @@ def test_recent_buffers_stay_row_contiguous(tail, extra):
     leaves whole growth steps of recent tokens (256, 1024: one part left to move down) as after any other, and
     after decode steps."""
     k, v = random_kv(128 + 4 * 128 + tail + extra + 3)
-    cache = KVarNCache(4, 4, kv_tail_tokens=tail)
+    cache = KvarnCache(4, 4, kv_tail_tokens=tail)
     cache.update_and_fetch(k[:, :, :-3], v[:, :, :-3])
     cache.seal()
     assert cache.recent_count == tail + extra
@@ -342,14 +342,14 @@ def test_recent_buffers_stay_row_contiguous(tail, extra):
 
 
 def test_a_seal_lets_the_old_body_go():
-    """kvarn keeps its fused call's answer from one decode step to the next (KVarNCache._fused_call), which holds
+    """kvarn keeps its fused call's answer from one decode step to the next (KvarnCache._fused_call), which holds
     the arrays it read; a seal makes a new body and drops it, so the old body is not kept alive until the next
     attention (a trim or a rolled window alike)."""
     import gc
     import weakref
 
     k, v = random_kv(512 + 1 + 200 + 1)
-    cache = KVarNCache(4, 4, kv_tail_tokens=128)
+    cache = KvarnCache(4, 4, kv_tail_tokens=128)
     for start, end in ((0, 512), (512, 513)):  # the second update seals what left the tail before it
         keys, values = cache.update_and_fetch(k[:, :, start:end], v[:, :, start:end])
     cache.attend(mx.random.normal((1, 4, 1, 128)), keys, values, 0.1, None)  # the answer is kept

@@ -147,7 +147,7 @@ def test_the_published_results_ship_with_the_package() -> None:
     benchmarks/results in a checkout), and pyproject.toml's package data takes every one of them into an install."""
     import fnmatch
 
-    from gmlx_lab.viz import sources
+    from gmlx_lab.viz import published as sources
 
     root = PACKAGE.parent
     assert sources.RESULTS_DIR == PACKAGE / "data" / "results"
@@ -246,3 +246,80 @@ def test_no_cache_asks_the_registry_about_itself() -> None:
         names |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
                   for a in n.names}
         assert not names & {"SCHEMES", "get_scheme"}, path.relative_to(PACKAGE)
+
+
+# -- bases a reader can hold in mind -------------------------------------------------------------------------------
+
+MAX_METHODS = 25  # methods (properties included) a class defines itself
+MAX_DEPTH = 4  # levels of cache classes below mlx-lm's _BaseCache
+
+
+def _cache_classes() -> list[type]:
+    import gmlx_lab.cache as cache_package
+    from gmlx_lab.registry import SCHEMES
+
+    found = {cache_package.GmlxCache, cache_package.BlockCache}
+    found |= {s.cache_class for s in SCHEMES.values() if s.cache_class is not None}
+    found |= {base for cls in list(found) for base in cls.__mro__ if base.__module__.startswith("gmlx_lab.")}
+    return sorted(found, key=lambda c: (c.__module__, c.__name__))
+
+
+def _own_methods(cls: type) -> list[str]:
+    return [name for name, value in vars(cls).items()
+            if callable(value) or isinstance(value, (property, classmethod, staticmethod))]
+
+
+def test_no_class_of_the_caches_is_too_big_or_too_deep() -> None:
+    """A cache class (and each mixin it takes) defines at most MAX_METHODS methods, and sits at most MAX_DEPTH
+    levels below mlx-lm's _BaseCache (mlx-lm's own caches are two levels deep)."""
+    from mlx_lm.models.cache import _BaseCache
+
+    def depth(cls: type) -> int:
+        return 0 if cls is _BaseCache else 1 + max(depth(b) for b in cls.__bases__ if issubclass(b, _BaseCache))
+
+    classes = _cache_classes()
+    assert len(classes) >= 10
+    big = {c.__name__: len(_own_methods(c)) for c in classes if len(_own_methods(c)) > MAX_METHODS}
+    assert not big, f"classes over {MAX_METHODS} methods: {big}"
+    deep = {c.__name__: depth(c) for c in classes if issubclass(c, _BaseCache) and depth(c) > MAX_DEPTH}
+    assert not deep, f"classes more than {MAX_DEPTH} levels below _BaseCache: {deep}"
+
+
+def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph.get(module, ())
+    return seen
+
+
+def test_a_pure_mlx_scheme_imports_no_kernel_module() -> None:
+    """A scheme without fused kernels (no `KERNELS`) never loads the kernel layer: its module's imports, followed
+    through gmlx_lab, reach no gmlx_lab.kernels module (only KernelRoute, which schemes with kernels inherit, does)."""
+    from gmlx_lab.registry import SCHEMES
+
+    graph = import_graph()
+    ours = [s.cache_class for s in SCHEMES.values()
+            if s.cache_class is not None and s.cache_class.__module__.startswith("gmlx_lab.")]
+    pure = {cls.__module__ for cls in ours if not cls.KERNELS}
+    assert {"gmlx_lab.cache.kivi", "gmlx_lab.cache.float", "gmlx_lab.cache.turboquant", "gmlx_lab.cache.fp16"} <= pure
+    for module in pure:
+        reached = sorted(m for m in _closure(graph, module) if m.startswith("gmlx_lab.kernels"))
+        assert not reached, f"{module} reaches {reached}"
+    assert any(m.startswith("gmlx_lab.kernels") for m in _closure(graph, "gmlx_lab.cache.kvarn.cache"))
+
+
+def test_kvarn_reads_end_to_end_in_at_most_eight_files() -> None:
+    """To read kvarn end to end a reader opens its own modules (the record format, the cache with its registry
+    entry, its kernels' launch code) and the module of every class its cache and registry entry build on; the
+    kernel bodies and the shared build/launch layer (kernels/build.py, splits.py) aside."""
+    from gmlx_lab.cache import KvarnCache
+    from gmlx_lab.registry import get_scheme
+
+    own = {"gmlx_lab.cache.kvarn.records", "gmlx_lab.cache.kvarn.cache", "gmlx_lab.kernels.kvarn"}
+    bases = {c.__module__ for cls in (KvarnCache, type(get_scheme("kvarn"))) for c in cls.__mro__
+             if c.__module__.startswith("gmlx_lab.")}
+    files = own | bases
+    assert len(files) <= 8, sorted(files)

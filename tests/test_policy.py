@@ -65,8 +65,8 @@ def test_specimens_generate_with_policy_caches(family, scheme):
         logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=cache)
     assert mx.all(mx.isfinite(logits)).item()
     for d, c in zip(cache.policy.layers, cache):
-        assert type(c).__name__ == {"kvarn": "KVarNCache", "affine": "AffineCache"}.get(d.decision, type(c).__name__)
-    kvarn_layers = [c for c in cache if type(c).__name__ == "KVarNCache"]
+        assert type(c).__name__ == {"kvarn": "KvarnCache", "affine": "AffineCache"}.get(d.decision, type(c).__name__)
+    kvarn_layers = [c for c in cache if type(c).__name__ == "KvarnCache"]
     assert all(c.n_records == 1 for c in kvarn_layers)  # 303 tokens, tail 0: sink + one record + live
 
 

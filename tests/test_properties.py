@@ -1,8 +1,8 @@
 """Properties of every cache scheme, checked with hypothesis on inputs it draws (widths, tails, lengths, chunkings).
 
-fp16, affine and affine_rot (2/3/4/6/8 bits, group sizes 32/64/128), kvarn (K and V widths 2..8 drawn
-apart, tails 0/1/128/200) and the field's block schemes (turboquant, float, kivi: `field_specs`) each hold,
-on random K/V and through a small mlx-lm llama:
+Every registered scheme, built-in or plug-in (tests/schemes.py), drawn from the examples its entry declares with
+its widths, group sizes, formats and tails drawn among the values it accepts (`specs`), holds on random K/V and
+through a small mlx-lm llama:
   - chunking: the stored form does not depend on how the tokens arrived, and through a model one chunk,
     random chunks and one token at a time give the same logits within the tolerances stated at each test;
   - causality: changing token t never changes the logits before t;
@@ -33,15 +33,13 @@ from mlx.utils import tree_unflatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
+from schemes import examples as registered  # the matrix (it registers the toy plug-in too)
 
 import gmlx_lab
 from gmlx_lab.cache import BlockCache, GmlxCache
-from gmlx_lab.cache.affine.cache import AFFINE_BITS, GROUP_SIZES
 from gmlx_lab.cache.block import block_regions
-from gmlx_lab.cache.kivi import KIVI_BITS
 from gmlx_lab.cache.kvarn.records import KVARN_BITS, SINK_TOKENS, TILE, region_tokens
-from gmlx_lab.cache.turboquant import TURBOQUANT_BITS
-from gmlx_lab.registry import get_scheme
+from gmlx_lab.registry import SCHEMES, get_scheme
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 SCALE = {"ci": 1, "nightly": 10}.get(PROFILE)
@@ -103,36 +101,30 @@ class Spec(NamedTuple):
 
 
 def specs(quantized_kv_start: bool = True, norm_iters: tuple[int, ...] = (2, 16)) -> st.SearchStrategy[Spec]:
-    """Every scheme, width, group size and tail; kvarn's K and V widths drawn apart."""
-    fp16 = st.just(Spec("fp16", {}))
-    starts = st.sampled_from([0, 0, 7, 200]) if quantized_kv_start else st.just(0)
-    affine = st.builds(lambda s, b, g, q: Spec(s, {"bits": b, "group_size": g, "quantized_kv_start": q}),
-                       st.sampled_from(["affine", "affine_rot"]), st.sampled_from(AFFINE_BITS),
-                       st.sampled_from(GROUP_SIZES), starts)
-    kvarn = st.builds(lambda k, v, t, i: Spec("kvarn", {"k_bits": k, "v_bits": v, "kv_tail_tokens": t,
-                                                        "norm_iters": i}),
-                      st.sampled_from(KVARN_BITS), st.sampled_from(KVARN_BITS), st.sampled_from(TAILS),
-                      st.sampled_from(norm_iters))
-    return st.one_of(fp16, affine, kvarn, kvarn, field_specs())  # kvarn twice: it has the most geometry
+    """Every registered scheme (tests/schemes.py: built-ins and the toy plug-in alike), each drawn from its entry's
+    examples, then each option with accepted values (widths, K and V apart, group sizes, formats, rotation, QJL)
+    drawn among them, the fp16 tail among TAILS and the sink among 0 and 4; `quantized_kv_start` and `norm_iters`
+    as the test asks. A drawn set the scheme refuses (a float width with no format) is skipped. kvarn is drawn
+    twice as often: it has the most geometry."""
+    names = [name for name in SCHEMES for _ in range(2 if name == "kvarn" else 1)]
+    return st.sampled_from(names).flatmap(lambda name: _scheme_spec(name, quantized_kv_start, norm_iters))
 
 
-FLOAT_FORMATS = ({"bits": 4, "group_size": 32}, {"bits": 4, "group_size": 16}, {"bits": 8, "group_size": 32})
-
-
-def field_specs() -> st.SearchStrategy[Spec]:
-    """The field's block schemes: turboquant (K/V widths apart, QJL or not), float (every format, rotated or
-    not) and kivi (K/V widths apart), each with fp16 tails and sinks drawn."""
-    tails, sinks = st.sampled_from(TAILS), st.sampled_from([0, 4])
-    turboquant = st.builds(lambda k, v, q, t, s: Spec("turboquant", {"k_bits": k, "v_bits": v, "qjl": q,
-                                                                     "kv_tail_tokens": t, "sink_tokens": s}),
-                           st.sampled_from(TURBOQUANT_BITS), st.sampled_from(TURBOQUANT_BITS), st.sampled_from([0, 1]),
-                           tails, sinks)
-    floats = st.builds(lambda f, r, t, s: Spec("float", {**f, "rotation": r, "kv_tail_tokens": t, "sink_tokens": s}),
-                       st.sampled_from(FLOAT_FORMATS), st.sampled_from([0, 1]), tails, sinks)
-    kivi = st.builds(lambda k, v, t, s: Spec("kivi", {"k_bits": k, "v_bits": v, "kv_tail_tokens": t,
-                                                      "sink_tokens": s}),
-                     st.sampled_from(KIVI_BITS), st.sampled_from(KIVI_BITS), tails, sinks)
-    return st.one_of(turboquant, floats, kivi)
+@st.composite
+def _scheme_spec(draw: Any, name: str, quantized_kv_start: bool, norm_iters: tuple[int, ...]) -> Spec:
+    scheme = get_scheme(name)
+    options = dict(draw(st.sampled_from(scheme.examples or ({},))))
+    drawn = {"kv_tail_tokens": TAILS, "sink_tokens": (0, 4), "norm_iters": norm_iters,
+             "quantized_kv_start": (0, 0, 7, 200) if quantized_kv_start else (0,)}
+    for opt in scheme.options:
+        values = opt.choices or drawn.get(opt.name)
+        if values and (opt.name in ("norm_iters", "quantized_kv_start") or draw(st.booleans())):
+            options[opt.name] = draw(st.sampled_from(values))
+    try:
+        scheme.resolve(**options)
+    except ValueError:
+        assume(False)
+    return Spec(name, options)
 
 
 def lengths(low: int, high: int, tail: int = 0) -> st.SearchStrategy[int]:
@@ -351,12 +343,8 @@ RETYPE = {mx.float16: mx.float32, mx.float32: mx.float16, mx.bfloat16: mx.float1
 
 
 def saved_specs() -> st.SearchStrategy[Spec]:
-    """Every built-in scheme (see `specs`) and the toy plug-in (tests/toy_scheme.py)."""
-    import toy_scheme  # noqa: F401  (registers "toy")
-
-    toy = st.builds(lambda b, t: Spec("toy", {"bits": b, "kv_tail_tokens": t}), st.sampled_from([4, 8]),
-                    st.sampled_from([0, 16, 40]))
-    return st.one_of(specs(), toy)
+    """Every registered scheme, the toy plug-in included (see `specs`)."""
+    return specs()
 
 
 def corrupt(path: str, kind: str, data: Any) -> str:
@@ -683,15 +671,10 @@ def test_batch_rows_equal_single_rows_through_a_model(small, spec, data):
 
 # -- mlx-lm's prompt-cache test patterns, for every scheme ------------------------------------------------------
 
-SCHEMES = [Spec("fp16", {}), Spec("affine", {"bits": 4}), Spec("affine", {"bits": 3, "quantized_kv_start": 8}),
-           Spec("affine_rot", {"bits": 8, "group_size": 32}), Spec("kvarn", {"bits": 4, "kv_tail_tokens": 0}),
-           Spec("kvarn", {"k_bits": 8, "v_bits": 3, "kv_tail_tokens": 128}),
-           Spec("turboquant", {"k_bits": 3, "v_bits": 4, "qjl": 1, "sink_tokens": 4}), Spec("float", {"bits": 4}),
-           Spec("float", {"bits": 4, "group_size": 16, "rotation": 1, "kv_tail_tokens": 128}),
-           Spec("kivi", {"bits": 2})]
+MATRIX = [Spec(name, options) for name, options in registered()]  # every registered scheme (tests/schemes.py)
 
 
-@pytest.mark.parametrize("spec", SCHEMES, ids=repr)
+@pytest.mark.parametrize("spec", MATRIX, ids=repr)
 def test_mlx_lm_save_load_with_metadata(spec, tmp_path):
     cache = [spec.make(layer=i) for i in range(4)]
     for i, c in enumerate(cache):
@@ -717,7 +700,7 @@ def first(n: int, generator: Any) -> list:
     return [item for _, item in zip(range(n), generator)]
 
 
-@pytest.mark.parametrize("spec", SCHEMES, ids=repr)
+@pytest.mark.parametrize("spec", MATRIX, ids=repr)
 def test_mlx_lm_generate_in_parts(small, prompt, spec):
     """Two tokens, then the third token fed to generation continued from the cache: the fourth token and its
     log-probabilities are those of four tokens generated in one go."""
@@ -730,7 +713,7 @@ def test_mlx_lm_generate_in_parts(small, prompt, spec):
     assert all(mx.allclose(lp, reference[i][1]) for (_, lp), i in zip(parts, (0, 1, 3)))
 
 
-@pytest.mark.parametrize("spec", SCHEMES, ids=repr)
+@pytest.mark.parametrize("spec", MATRIX, ids=repr)
 def test_mlx_lm_trim_prompt_cache(spec):
     cache = [spec.make() for _ in range(2)]
     for c in cache:
@@ -740,7 +723,7 @@ def test_mlx_lm_trim_prompt_cache(spec):
     assert all(c.offset == 0 and c.empty() for c in cache)
 
 
-@pytest.mark.parametrize("spec", SCHEMES, ids=repr)
+@pytest.mark.parametrize("spec", MATRIX, ids=repr)
 def test_mlx_lm_trim_cache_with_generate(small, prompt, spec):
     """Generate one token (the prompt is processed), two more, trim 3, generate again: the same tokens."""
     cache = gmlx_lab.make_cache(small, spec.scheme, quiet=True, **spec.options)
@@ -753,7 +736,7 @@ def test_mlx_lm_trim_cache_with_generate(small, prompt, spec):
     assert all(mx.allclose(a, b) for (_, a), (_, b) in zip(before, again))
 
 
-@pytest.mark.parametrize("spec", SCHEMES, ids=repr)
+@pytest.mark.parametrize("spec", MATRIX, ids=repr)
 def test_mlx_lm_cache_copying(spec):
     cache = [spec.make()]
     x, y, z = kv(10, seed=1), kv(1, seed=2), kv(1, seed=3)
@@ -771,7 +754,7 @@ def test_mlx_lm_cache_copying(spec):
     assert not mx.array_equal(new_k[:, :, 10], old_k[:, :, 10])
 
 
-@pytest.mark.parametrize("spec", SCHEMES, ids=repr)
+@pytest.mark.parametrize("spec", MATRIX, ids=repr)
 def test_mlx_lm_make_mask_with_cache(spec):
     cache = spec.make()
     h4, h1 = mx.zeros((1, 4)), mx.zeros((1, 1))

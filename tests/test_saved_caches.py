@@ -40,7 +40,7 @@ def test_a_cut_array_is_refused_naming_layer_array_and_shapes(saved_model_cache,
     """One array of layer 0 cut to a different width: refused at load, not at the first decode step in MLX."""
     _, _, path = saved_model_cache
     bad = rewrite(path, str(tmp_path / "cut.safetensors"), lambda a: a.update({"0.4": a["0.4"][..., :64]}))
-    with pytest.raises(gmlx_lab.SavedCacheError, match=r"cache 0: layer 0 \(KVarNCache\): recent K holds "
+    with pytest.raises(gmlx_lab.SavedCacheError, match=r"cache 0: layer 0 \(KvarnCache\): recent K holds "
                        r"\(1, 2, \d+, 64\) mlx.core.float16; expected \(1, 2, \d+, 128\)"):
         gmlx_lab.load_prompt_cache(bad)
     with pytest.raises(gmlx_lab.SavedCacheError, match="layer 0"):  # mlx-lm's own loader runs the same checks
@@ -56,7 +56,7 @@ def test_a_nan_in_the_sink_is_refused_unless_asked_and_check_finite_finds_it(sav
         arrays["0.0"] = x.reshape(arrays["0.0"].shape)
 
     bad = rewrite(path, str(tmp_path / "nan.safetensors"), nan_sink)
-    with pytest.raises(gmlx_lab.SavedCacheError, match=r"layer 0 \(KVarNCache\): K in the sink holds inf or nan"):
+    with pytest.raises(gmlx_lab.SavedCacheError, match=r"layer 0 \(KvarnCache\): K in the sink holds inf or nan"):
         gmlx_lab.load_prompt_cache(bad)
     loaded = gmlx_lab.load_prompt_cache(bad, check_finite=False)  # to inspect it
     with pytest.raises(ValueError, match="layer 0: K in the sink holds inf or nan"):

@@ -9,7 +9,7 @@ import pytest
 from conftest import random_kv, tiny_llama
 
 import gmlx_lab
-import gmlx_lab.cache.base as cache_base
+import gmlx_lab.cache.kernel_route as kernel_route
 from gmlx_lab.doctor import doctor, to_text
 from gmlx_lab.kernels import active_backend, selfcheck, sources, threads
 
@@ -25,7 +25,7 @@ def test_a_failed_self_check_falls_back_loudly(monkeypatch):
     """kvarn_decode with one wrong shuffle lane fails its check: a warning, the [kv] line, the cache's route, and
     the reference attention (same as an unbroken cache's reference) instead of wrong numbers."""
     model = tiny_llama(layers=2)
-    for module in (selfcheck, cache_base):  # pretend MLX runs on a GPU; the kernels then run on CPU threads
+    for module in (selfcheck, kernel_route):  # pretend MLX runs on a GPU; the kernels then run on CPU threads
         monkeypatch.setattr(module, "active_backend", lambda: "cuda")
     real = sources.read
 

@@ -21,7 +21,7 @@ from mlx_lm.generate import speculative_generate_step
 
 import gmlx_lab
 from gmlx_lab import cli
-from gmlx_lab.cache import AffineCache, AffineRotCache, FP16Cache, KVarNCache
+from gmlx_lab.cache import AffineCache, AffineRotCache, FP16Cache, KvarnCache
 from gmlx_lab.cache.base import FINITE_BATCH
 from gmlx_lab.registry import get_scheme
 
@@ -41,7 +41,7 @@ CAUSAL_SCHEMES = (
 def one_layer_caches() -> list:
     """One cache of each class, the widths the tests below feed."""
     return [FP16Cache(layer=5), AffineCache(4, layer=5), AffineRotCache(3, layer=5),
-            KVarNCache(4, 4, kv_tail_tokens=0, layer=5)]
+            KvarnCache(4, 4, kv_tail_tokens=0, layer=5)]
 
 
 def logits(model, tokens: mx.array, scheme: str, options: dict, chunks: list[int]) -> mx.array:
@@ -208,7 +208,7 @@ def test_2_trimming_the_latest_update_gives_back_the_cache_that_never_saw_it(tai
     tail are those of plain decoding (before: a group the draft pushed out of the tail stayed sealed)."""
     total = sum(chunks)
     k, v = random_kv(total + more, seed=6)
-    drafted, never = KVarNCache(4, 4, kv_tail_tokens=tail), KVarNCache(4, 4, kv_tail_tokens=tail)
+    drafted, never = KvarnCache(4, 4, kv_tail_tokens=tail), KvarnCache(4, 4, kv_tail_tokens=tail)
     start = 0
     for n in chunks:
         drafted.update_and_fetch(k[:, :, start:start + n], v[:, :, start:start + n])
@@ -262,7 +262,7 @@ def test_4_kvarn_k_and_v_agree_after_a_non_finite_error():
     (before: K sealed, V refused, and trim(10) left K with 291 tokens and V with 163)."""
     k, v = random_kv(700, seed=4)
     v = mx.where((mx.arange(700) == 310)[None, None, :, None], mx.nan, v)
-    cache = KVarNCache(4, 4, kv_tail_tokens=0, layer=2)
+    cache = KvarnCache(4, 4, kv_tail_tokens=0, layer=2)
     start = 0
     with pytest.raises(ValueError, match="layer 2: non-finite keys or values"):
         for n in [300, 40, 100, 100, 100, 60]:
@@ -308,7 +308,7 @@ def test_6_non_float_kv_is_a_named_error(cache, dtype):
 ])
 @pytest.mark.parametrize("make", [lambda: FP16Cache(layer=5), lambda: AffineCache(4, group_size=32, layer=5),
                                   lambda: AffineRotCache(4, layer=5),
-                                  lambda: KVarNCache(4, 4, kv_tail_tokens=0, layer=5)],
+                                  lambda: KvarnCache(4, 4, kv_tail_tokens=0, layer=5)],
                          ids=["fp16", "affine", "affine_rot", "kvarn"])
 def test_9_shape_change_between_updates_is_a_named_error(make, change, message):
     cache = make()
@@ -330,14 +330,14 @@ def test_7_a_string_width_says_it_must_be_an_int():
         AffineCache(bits="4")
     assert "is not supported" not in str(exc.value)
     with pytest.raises(ValueError, match="k_bits='6' must be an int"):
-        KVarNCache(k_bits="6")
+        KvarnCache(k_bits="6")
 
 
 @pytest.mark.parametrize("make", [
-    lambda: KVarNCache(kv_tail_tokens=True),
-    lambda: KVarNCache(norm_iters=-1),
-    lambda: KVarNCache(v_bits=7),
-    lambda: KVarNCache(kv_tail_tokens=12.0),
+    lambda: KvarnCache(kv_tail_tokens=True),
+    lambda: KvarnCache(norm_iters=-1),
+    lambda: KvarnCache(v_bits=7),
+    lambda: KvarnCache(kv_tail_tokens=12.0),
     lambda: AffineCache(quantized_kv_start=-5),
     lambda: AffineCache(group_size=16),
     lambda: AffineRotCache(bits=5),
@@ -358,7 +358,7 @@ VALUES = [True, False, None, "4", 4.0, -5, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32
 def test_8_constructor_and_registry_accept_the_same_values(scheme, option):
     """One place decides: for every value, the cache constructor accepts it exactly when the registry does (None
     is the default in both)."""
-    make = {"affine": AffineCache, "affine_rot": AffineRotCache, "kvarn": KVarNCache}
+    make = {"affine": AffineCache, "affine_rot": AffineRotCache, "kvarn": KvarnCache}
     for value in VALUES:
         try:
             get_scheme(scheme).resolve(**{option: value})
@@ -412,8 +412,8 @@ def test_10_model_name_of_the_wrong_type_is_rejected():
 
 @pytest.mark.parametrize("tokens", [10, 255, 256, 300])
 @pytest.mark.parametrize("make", [lambda: FP16Cache(), lambda: AffineCache(4), lambda: AffineRotCache(8),
-                                  lambda: KVarNCache(4, 4, kv_tail_tokens=0),
-                                  lambda: KVarNCache(4, 4, kv_tail_tokens=128)],
+                                  lambda: KvarnCache(4, 4, kv_tail_tokens=0),
+                                  lambda: KvarnCache(4, 4, kv_tail_tokens=128)],
                          ids=["fp16", "affine", "affine_rot", "kvarn_tail0", "kvarn_tail128"])
 def test_11_deepcopy_is_independent_of_its_original(make, tokens):
     """mlx-lm's test_cache_copying, at several offsets: 256 tokens fill a buffer exactly, the case where a copy

@@ -1,4 +1,4 @@
-"""Equal-memory comparisons (gmlx_lab.measure.tradeoff, notebooks 06 and 07) and their figures (viz.tradeoff)."""
+"""Equal-memory comparisons (gmlx_lab.measure.tradeoff, notebooks 06, 07) and their figures (viz/tradeoff_figures)."""
 
 from __future__ import annotations
 

@@ -8,14 +8,14 @@ from conftest import random_kv
 
 import gmlx_lab
 from gmlx_lab import kv_inspect, viz
-from gmlx_lab.cache import KVarNCache
+from gmlx_lab.cache import KvarnCache
 from gmlx_lab.cache.kvarn import records
 from gmlx_lab.models import specimen
 
 
 @pytest.mark.parametrize("context,tail", [(0, 0), (100, 0), (128, 0), (300, 0), (700, 128), (700, 256), (1300, 1024)])
 def test_region_geometry_matches_the_cache(context: int, tail: int) -> None:
-    cache = KVarNCache(4, 4, kv_tail_tokens=tail)
+    cache = KvarnCache(4, 4, kv_tail_tokens=tail)
     if context:
         k, v = random_kv(context, heads=1)
         for s in range(0, context, 250):  # the last chunk's tokens wait for the next update to be sealed
@@ -28,7 +28,7 @@ def test_region_geometry_matches_the_cache(context: int, tail: int) -> None:
 
 def test_kvarn_layer_bytes_match_the_cache() -> None:
     context, tail = 700, 128
-    cache = KVarNCache(4, 6, kv_tail_tokens=tail)
+    cache = KvarnCache(4, 6, kv_tail_tokens=tail)
     k, v = random_kv(context, heads=1)
     cache.update_and_fetch(k, v)
     cache.seal()

@@ -5,13 +5,14 @@ import pytest
 from conftest import tiny_llama
 from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from schemes import WINDOW, example_id, examples
 
 import gmlx_lab
 from gmlx_lab import kv_inspect
 from gmlx_lab.cache import window
 
-SCHEMES = [("affine", {"bits": 4}), ("affine_rot", {"bits": 3}), ("kvarn", {"bits": 4, "kv_tail_tokens": 0})]
-N = 384  # kvarn with tail 0 needs sink 128 + two groups of 128
+SCHEMES = [(s, o) for s, o in examples(windowed=True) if s != "fp16"]  # every scheme that rolls (tests/schemes.py)
+N = WINDOW  # kvarn with tail 0 needs sink 128 + two groups of 128
 PROBE = (N, 2 * N, 4 * N)
 
 
@@ -38,7 +39,7 @@ def fp16_window(model):
     return run(model, gmlx_lab.make_cache(model, "fp16", max_kv_size=N, quiet=True))[0]
 
 
-@pytest.mark.parametrize(("scheme", "options"), [("fp16", {}), *SCHEMES])
+@pytest.mark.parametrize(("scheme", "options"), [("fp16", {}), *SCHEMES], ids=example_id)
 def test_four_windows_stay_flat_and_hold_what_fp16_holds(model, fp16_window, scheme, options):
     seen, logprobs = run(model, gmlx_lab.make_cache(model, scheme, max_kv_size=N, quiet=True, **options))
     (b1, _, h1), (b2, _, h2), (b4, pos4, h4) = (seen[t] for t in PROBE)

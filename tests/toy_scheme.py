@@ -34,4 +34,4 @@ class ToyCache(gmlx_lab.BlockCache):
 
 SCHEME = gmlx_lab.register_scheme(gmlx_lab.BlockScheme(
     "toy", "symmetric int8 codes of rotated rows, one fp16 scale per 32 channels (a test plug-in)",
-    cache_class=ToyCache, color="#2ca02c"))
+    cache_class=ToyCache, color="#2ca02c", examples=({}, {"bits": 4, "kv_tail_tokens": 0, "sink_tokens": 0})))

@@ -2,7 +2,7 @@
 
 Every page loads only files of the site itself: plotly.js is copied from the plotly package (`plotly.min.js`,
 once for the whole site), each plotly figure is drawn from its JSON output by `Plotly.newPlot` (live: hover,
-zoom), and widgets are drawn statically from their saved state (`gmlx_lab.book.widgets`).
+zoom), and widgets are drawn statically from their saved state (`gmlx_lab.book.static_widgets`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import nbformat
 
-from .widgets import WIDGET_VIEW, StaticWidgets, widget_state
+from .static_widgets import WIDGET_VIEW, StaticWidgets, widget_state
 
 PLOTLY = "application/vnd.plotly.v1+json"
 TEMPLATES = Path(__file__).resolve().parent / "templates"

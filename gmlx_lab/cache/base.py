@@ -2,20 +2,20 @@
 
 Each cache duck-types mlx-lm's `KVCache`: `offset`, `update_and_fetch`, `state` (arrays plus
 scalars, so `save_prompt_cache`/`load_prompt_cache` round-trip it), `nbytes`, `is_trimmable`/`trim`,
-`make_mask`, `empty`, `size`; `copy.deepcopy` gives an independent cache.
+`make_mask`, `empty`, `size`; `copy.deepcopy` gives an independent cache. The rolling window and a model's
+sliding layers are `RollingWindow`'s (window.py); the routing of schemes with fused kernels is `KernelRoute`'s
+(kernel_route.py), which only those schemes inherit.
 
-Every update is checked when it arrives: 4-d float K/V, at least one token, the batch, head count and
-head dims of the first update. Non-finite K/V (inf, nan) are one policy for every scheme: the arriving
-K/V are checked in batches of at least FINITE_BATCH tokens (a prompt chunk at once, decode tokens 32 at a
-time), computed with the step that completes the batch (`mx.depends` ties the flag to the stored data)
-and read when the batch after the next one forms (by then its step has surely run, so reading never waits
-on the GPU: an error comes at most about 3 x 32 decode tokens late), or at once by `check_finite()`;
-the error names the layer and the tokens. Trimmed tokens leave the queue of tokens still to check.
-`check_finite()` also scans every region the cache holds now (what a saved file brought in too).
-Batching keeps the check to a few operations per 32 decode tokens: checked one by one it costs several
-kernel launches per layer and token.
-`GmlxCache.check_finite_on = False` (or GMLX_CHECK_FINITE=0 in the environment) skips it for speed runs;
-benchmarks/model_decode.py measures what it costs.
+Every update is checked when it arrives: 4-d float K/V, at least one token, the batch, head count and head dims
+of the first update. Non-finite K/V (inf, nan) are one policy for every scheme: the arriving K/V are checked in
+batches of at least FINITE_BATCH tokens (a prompt chunk at once, decode tokens 32 at a time), computed with the
+step that completes the batch (`mx.depends` ties the flag to the stored data) and read when the batch after the
+next one forms (by then its step has surely run, so reading never waits on the GPU: an error comes at most about
+3 x 32 decode tokens late), or at once by `check_finite()`; the error names the layer and the tokens. Trimmed
+tokens leave the queue of tokens still to check. `check_finite()` also scans every region the cache holds now
+(what a saved file brought in too). Batching keeps the check to a few operations per 32 decode tokens: checked one
+by one it costs several kernel launches per layer and token. `check_finite_on = False` (or GMLX_CHECK_FINITE=0 in
+the environment) skips it for speed runs; benchmarks/model_decode.py measures what it costs.
 """
 
 from __future__ import annotations
@@ -26,58 +26,41 @@ import weakref
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import _BaseCache
 
-from ..kernels import active_backend, precompiled, selfcheck
-from . import saved, window
+from . import saved
+from .window import RollingWindow
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 CHECK_FINITE_ENV = "GMLX_CHECK_FINITE"
 FINITE_BATCH = 32  # tokens whose finiteness is checked together
 
 
-def array_bytes(*arrays: Any) -> int:
-    """Bytes held by the given arrays (None counts as 0)."""
-    return sum(a.nbytes for a in arrays if a is not None)
+class ArrivalChecks:
+    """The checks on arriving K/V (the module docstring), for a cache with `where()`, `offset` and, when it serves
+    a sliding layer, `sliding_hold`."""
 
-
-class GmlxCache(_BaseCache):
-    """Base of the gmlx_lab caches: the parts of the contract that do not depend on storage."""
-
-    scheme = "?"
-    KERNELS: tuple[str, ...] = ()  # the fused kernels this cache uses on a GPU (each self-checked on first use)
-    # the finiteness check of arriving K/V (see the module docstring)
     check_finite_on = os.environ.get(CHECK_FINITE_ENV, "1") != "0"
-    # "auto": fused GPU kernels on a GPU backend, the pure-MLX reference on the CPU; "reference" forces the
-    # reference; "fused" demands the kernels (an error on the CPU); "emulated" runs their algorithm in pure MLX.
-    attention_path = "auto"
-    ATTENTION_PATHS = ("auto", "reference", "fused", "emulated")
-    sliding_window: int | None = None  # serving a model's sliding-window layer (set_sliding), or None
-    sliding_hold: int | None = None  # its rolling window between updates (set_sliding), or None
-    _arrived = 0  # tokens of the update in progress
+    arrived = 0  # tokens of the update in progress
 
-    def __init__(self, layer: int | None = None):
-        self.offset = 0  # tokens that arrived (positions keep counting in a rolling window)
-        self.layer = layer
-        self.max_kv_size: int | None = None  # a rolling window (cache/window.py), or None
-        self.dropped = 0  # tokens the window dropped
-        self._fetched: tuple[weakref.ref, weakref.ref] | None = None
+    def reset_checks(self) -> None:
+        """No update seen yet: no shape, dtype or queued tokens."""
         self._shape: tuple[int, int, int, int] | None = None  # batch, kv heads, k dim, v dim
         self._dtype: mx.Dtype | None = None  # of the first update's K/V (None: they differ)
         self._unchecked: list[tuple[mx.array, mx.array]] = []  # arrived K/V not yet in a finiteness batch
         self._unchecked_tokens = 0
         self._flags: list[tuple[int, int, mx.array]] = []  # (first token, end, all finite) not yet read
 
-    def where(self) -> str:
-        """A prefix for error messages naming the layer."""
-        return f"layer {self.layer}" if self.layer is not None else "cache"
+    def copy_checks(self, new: ArrivalChecks) -> None:
+        """Hand a copy of this cache the checks still pending (a deep copy checks what the original would)."""
+        new._flags, new._unchecked = list(self._flags), list(self._unchecked)
+        new._unchecked_tokens, new._dtype = self._unchecked_tokens, self._dtype
 
     @property
     def kv_shape(self) -> tuple[int, int, int, int] | None:
         """(batch, kv heads, key head_dim, value head_dim) of the K/V held; None before the first update."""
         return self._shape
 
-    # -- what arrives -----------------------------------------------------------------------------
     def arrive(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Check one update's K/V (B, heads, tokens, dim) and start its finiteness check.
 
@@ -87,9 +70,9 @@ class GmlxCache(_BaseCache):
             keys, values = self._finite(keys, values)
         else:
             keys, values = self._first_checks(keys, values)
-        self._arrived = keys.shape[2]
+        self.arrived = keys.shape[2]
         if self.sliding_hold is not None:  # the update's first queries need the window before it: keep it
-            self.max_kv_size = self.sliding_hold + self._arrived
+            self.max_kv_size = self.sliding_hold + self.arrived
         return keys, values
 
     def _like_first(self, keys: Any, values: Any) -> bool:
@@ -184,65 +167,44 @@ class GmlxCache(_BaseCache):
                     "accepted: finite K/V (check the model's inputs and dtype)"
                 )
 
-    # -- the rolling window -----------------------------------------------------------------------
-    @property
-    def held(self) -> int:
-        """Tokens the cache holds now: all that arrived, less what a rolling window dropped."""
-        return self.offset - self.dropped
+    def forget_unchecked(self, n: int) -> None:
+        """Drop the newest n tokens from the finiteness queue (they are being trimmed)."""
+        while n and self._unchecked:
+            k, v = self._unchecked[-1]
+            take = min(n, k.shape[2])
+            if take == k.shape[2]:
+                self._unchecked.pop()
+            else:
+                self._unchecked[-1] = (k[:, :, : k.shape[2] - take], v[:, :, : v.shape[2] - take])
+            self._unchecked_tokens -= take
+            n -= take
 
-    def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
-        """Refuse a window this cache cannot roll, naming `where` (default: the layer): the one home of a scheme's
-        window rule (`Scheme.check_window` asks it). By default the shared rule of gmlx_lab/cache/window.py."""
-        window.check(max_kv_size, None, where or self.where())
 
-    def set_window(self, max_kv_size: int | None) -> None:
-        """Make this (empty) cache a rolling window of `max_kv_size` tokens; None: no window."""
-        if self.offset:
-            raise ValueError(f"{self.where()}: set the window of an empty cache (this one holds {self.offset} tokens)")
-        self.window_check(max_kv_size)
-        self.max_kv_size = max_kv_size
+class GmlxCache(ArrivalChecks, RollingWindow, _BaseCache):
+    """Base of the gmlx_lab caches: the parts of the contract that do not depend on storage."""
 
-    def settle(self) -> None:
-        """Do now what the next update would do first: roll the window (kvarn also seals its due records), so
-        `nbytes` shows the steady state; the tokens dropped or sealed can no longer be trimmed."""
-        if self.sliding_hold is not None:
-            self.max_kv_size = self.sliding_hold
-        if self.max_kv_size is not None:
-            self._roll(0)
+    scheme = "?"
+    KERNELS: tuple[str, ...] = ()  # fused GPU kernels (a scheme with kernels inherits KernelRoute too)
+    # "auto": fused GPU kernels on a GPU backend, the pure-MLX reference on the CPU; "reference" forces the
+    # reference; "fused" demands the kernels (an error on the CPU); "emulated" runs their algorithm in pure MLX.
+    attention_path = "auto"
+    ATTENTION_PATHS = ("auto", "reference", "fused", "emulated")
 
-    def _roll(self, newest: int) -> None:
-        """Drop what the rolling window no longer holds (each cache, for its storage)."""
+    def __init__(self, layer: int | None = None):
+        self.offset = 0  # tokens that arrived (positions keep counting in a rolling window)
+        self.layer = layer
+        self.max_kv_size: int | None = None  # a rolling window (window.py), or None
+        self.dropped = 0  # tokens the window dropped
+        self._fetched: tuple[weakref.ref, weakref.ref] | None = None
+        self.reset_checks()
+
+    def where(self) -> str:
+        """A prefix for error messages naming the layer."""
+        return f"layer {self.layer}" if self.layer is not None else "cache"
+
+    def stored_tokens(self) -> list[tuple[str, str, mx.array]]:
+        """(region, "K" or "V", its tokens (B, H, n, D) as the cache would read them) for every region held."""
         raise NotImplementedError
-
-    def sliding_state(self) -> tuple[int | None, int | None]:
-        """The sliding-window setting (set_sliding) as `state` scalars, so save/load and from_state keep it."""
-        return (self.sliding_window, self.sliding_hold)
-
-    def restore_sliding(self, values: tuple[Any, ...] | list[Any]) -> None:
-        """Set what `sliding_state` stored; none stored (a file saved before it was) leaves a global layer."""
-        if values:
-            self.sliding_window, self.sliding_hold = values
-
-    def set_sliding(self, window_size: int) -> None:
-        """Serve a model's sliding-window layer of `window_size` tokens in place of mlx-lm's RotatingKVCache: hand
-        back the K/V it would (the newest window_size - 1 tokens before the update, then the update) and make the
-        masks it makes, so the model's own sliding mask fits every sliding layer. What the cache holds beyond
-        them (a rolling window's sink) is not attended. A rolling window set before (`set_window`, at least
-        window.sliding_hold) bounds what it holds between updates; during an update of n tokens it holds n
-        more, as RotatingKVCache does, since the update's first queries still see the window before it. Kept in
-        `state` (sliding_state), so save/load, from_state and deep copies keep it."""
-        if self.offset:
-            raise ValueError(f"{self.where()}: set_sliding on an empty cache (this one holds {self.offset} tokens)")
-        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
-            raise ValueError(f"{self.where()}: sliding window {window_size!r}; accepted: an int >= 1")
-        if self.max_kv_size is not None and self.max_kv_size < window.sliding_hold(window_size):
-            raise ValueError(f"{self.where()}: a rolling window of {self.max_kv_size} tokens cannot serve a sliding "
-                             f"window of {window_size}; accepted: max_kv_size >= {window.sliding_hold(window_size)}")
-        self.sliding_window, self.sliding_hold = window_size, self.max_kv_size
-
-    def held_positions(self) -> list[tuple[int, int]]:
-        """The token positions held, as [start, end) ranges (one range without a window)."""
-        return window.held_positions(self.offset, self.dropped)
 
     # -- the attention seam -----------------------------------------------------------------------
     def fetched(self, keys: Any, values: Any) -> bool:
@@ -253,46 +215,11 @@ class GmlxCache(_BaseCache):
 
     def _return(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.sliding_window is not None:  # a sliding layer: what RotatingKVCache hands back (set_sliding)
-            keep = window.sliding_keys(self.offset, self._arrived, self.sliding_window)
-            if keys.shape[2] < keep:
-                raise RuntimeError(f"{self.where()}: holds {keys.shape[2]} tokens, the sliding window needs {keep}")
             self._fetched = None  # mlx's attention with the model's sliding mask, not `attend` over every region
-            return keys[..., keys.shape[2] - keep:, :], values[..., values.shape[2] - keep:, :]
+            return self.sliding_fetch(keys, values)
         # weak references: the cache must not keep a (possibly evaluated, decoded) copy alive
         self._fetched = (weakref.ref(keys), weakref.ref(values))
         return keys, values
-
-    def kernel_route(self, supported: bool, kernel: str) -> str | None:
-        """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path.
-
-        The fused route needs `kernel` to have passed its self-check on this GPU (kernels/selfcheck.py);
-        if it failed, "auto" takes the reference path (the check warned) and "fused" is an error."""
-        path = self.attention_path
-        if path not in self.ATTENTION_PATHS:
-            raise ValueError(f"{self.where()}: attention_path={path!r}; accepted: {', '.join(self.ATTENTION_PATHS)}")
-        if path == "reference" or not supported:
-            return None
-        if path == "emulated":
-            return "emulated"
-        if not self.may_fuse():  # "auto" on the CPU
-            return None
-        if not selfcheck.passed(kernel):
-            if path == "fused":
-                raise RuntimeError(f"{self.where()}: kernel {kernel} failed its self-check on this GPU "
-                                   f"({selfcheck.failure(kernel)}); use attention_path='auto' or 'reference'")
-            return None
-        return "fused"
-
-    def may_fuse(self) -> bool:
-        """Whether `kernel_route` can answer "fused" at all (the "fused" path, or "auto" on a GPU backend): a
-        cheap test first, so the CPU's reference path does not prepare a fused call at every step."""
-        path = self.attention_path
-        return path == "fused" or (path == "auto" and active_backend() != "cpu")
-
-    def uses_kernel(self, kernel: str) -> bool:
-        """Whether this cache runs `kernel` (sealing, decoding) rather than its pure-MLX twin: a GPU backend, not
-        the reference path, and a passed self-check."""
-        return self.attention_path != "reference" and active_backend() != "cpu" and selfcheck.passed(kernel)
 
     @classmethod
     def decode_path(cls) -> str:
@@ -301,16 +228,8 @@ class GmlxCache(_BaseCache):
         return "" if cls.KERNELS else "reference decode path (dequantize, then SDPA; no fused kernel)"
 
     def attention_route(self) -> str:
-        """How this cache attends and stores on this machine, in words (the fused kernels, or why not)."""
-        if self.attention_path == "reference" or not self.KERNELS:
-            return "reference (pure MLX)" if self.KERNELS else "mlx.fast.scaled_dot_product_attention"
-        if active_backend() == "cpu":
-            return "reference (pure MLX: no GPU backend)"
-        failed = [f"{k}: {selfcheck.failure(k)}" for k in self.KERNELS if not selfcheck.passed(k)]
-        if failed:
-            return "reference for " + "; ".join(failed) + " (failed self-check)"
-        note = precompiled.note()
-        return "fused kernels: " + ", ".join(self.KERNELS) + (f" ({note})" if note else "")
+        """How this cache attends on this machine, in words (KernelRoute says more for a scheme with kernels)."""
+        return "mlx.fast.scaled_dot_product_attention"
 
     # -- contract ---------------------------------------------------------------------------------
     def size(self) -> int:
@@ -321,11 +240,6 @@ class GmlxCache(_BaseCache):
 
     def is_trimmable(self) -> bool:
         return True
-
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        if self.sliding_window is not None:  # the mask RotatingKVCache makes (set_sliding)
-            return window.sliding_mask(*args, offset=self.offset, max_size=self.sliding_window, **kwargs)
-        return create_attention_mask(*args, offset=self.offset, **kwargs)
 
     def regions(self) -> dict[str, int]:
         """Resident bytes by region; the values add up to `nbytes`."""
@@ -350,20 +264,8 @@ class GmlxCache(_BaseCache):
         n = min(n, self.offset)
         if n > limit:
             raise ValueError(f"{self.where()}: cannot trim {n} tokens, only {limit} can be rolled back ({why})")
-        self._forget_unchecked(n)
+        self.forget_unchecked(n)
         return n
-
-    def _forget_unchecked(self, n: int) -> None:
-        """Drop the newest n tokens from the finiteness queue (they are being trimmed)."""
-        while n and self._unchecked:
-            k, v = self._unchecked[-1]
-            take = min(n, k.shape[2])
-            if take == k.shape[2]:
-                self._unchecked.pop()
-            else:
-                self._unchecked[-1] = (k[:, :, : k.shape[2] - take], v[:, :, : v.shape[2] - take])
-            self._unchecked_tokens -= take
-            n -= take
 
     def __deepcopy__(self, memo: dict) -> GmlxCache:
         """An independent copy. The copy shares the arrays' data but not the array objects: a write into a
@@ -374,8 +276,7 @@ class GmlxCache(_BaseCache):
         for name in switches:
             if name in self.__dict__:
                 setattr(new, name, self.__dict__[name])
-        new._flags, new._unchecked = list(self._flags), list(self._unchecked)
-        new._unchecked_tokens, new._dtype = self._unchecked_tokens, self._dtype
+        self.copy_checks(new)
         return new
 
 

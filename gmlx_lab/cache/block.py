@@ -52,7 +52,6 @@ to count them).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -60,13 +59,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..kernels import selfcheck
 from ..registry import Option, Scheme, resolve_options
-from . import saved, window
-from .base import GmlxCache, array_bytes
-from .buffers import KV, STORE_DTYPE, GrowingBuffer, fill_sink, keep_sink
+from . import saved
+from .base import GmlxCache
+from .buffers import KV, STORE_DTYPE, GrowingBuffer, array_bytes, fill_sink, keep_sink
 from .regions import block_regions, due_tokens
 from .rotation import rotation_problem
+from .window import BlockWindow
 
 __all__ = ["BlockCache", "BlockScheme", "block_regions", "clashes"]
 
@@ -89,7 +88,58 @@ def check_geometry(name: str, value: Any, where: str) -> None:
         raise ValueError(f"{where}: {name}={value!r}; accepted: an int >= {low}")
 
 
-class BlockCache(GmlxCache):
+class BlockRegions:
+    """What a block cache reports of its regions, for `BlockCache` (its sink, body, recent stores and rollback)."""
+
+    def region_tokens(self) -> dict[str, int]:
+        """How many tokens each region holds now."""
+        tail = min(self.recent_count, self.kv_tail_tokens)
+        return {"sink": self.sink_count, "body": self.n_blocks * self.block_tokens,
+                "live": self.recent_count - tail, "tail": tail}
+
+    def block_bytes(self, k_dim: int, v_dim: int) -> int:
+        """Bytes of one encoded block of one head, K and V (from encoding a block of zeros)."""
+        return sum(p.nbytes for kind, d in (("k", k_dim), ("v", v_dim)) for p in self.trial_block(kind, d))
+
+    def regions(self) -> dict[str, int]:
+        """Resident bytes by region; "reserve" is what is held beyond the tokens served: the recent and body buffers'
+        growth room and the newest block's fp16 copy (`rollback`)."""
+        tokens = self.region_tokens()
+        recent_bytes = array_bytes(self.recent.k.data, self.recent.v.data)
+        per_token = recent_bytes // max(self.recent.k.capacity(), 1)
+        body = 0 if self.body is None else array_bytes(*self.body.k, *self.body.v)
+        buffers = 0 if self.body_buffers is None else array_bytes(*(b.data for bufs in self.body_buffers for b in bufs))
+        return {
+            "sink": 0 if self.sink is None else array_bytes(*self.sink),
+            "body": body,
+            "live": per_token * tokens["live"],
+            "tail": per_token * tokens["tail"],
+            "reserve": recent_bytes - per_token * self.recent_count + buffers - body
+            + (0 if self.rollback is None else array_bytes(*self.rollback)),
+        }
+
+    def memory_regions(self) -> tuple[dict[str, int], dict[str, int] | None]:
+        """The regions without the reserve, and the tokens each holds (`region_tokens`)."""
+        return super().memory_regions()[0], self.region_tokens()
+
+    def stored_tokens(self) -> list[tuple[str, str, mx.array]]:
+        """Each region's K and V as the cache reads them: the sink, the blocks decoded (their codes and scales),
+        the live tokens, the tail, and the newest block's fp16 copy where one is kept."""
+        out = []
+        if self.sink is not None:
+            out += [("sink", "K", self.sink.k), ("sink", "V", self.sink.v)]
+        if self.body is not None:
+            out += [("blocks", kind.upper(), self._decode_blocks(parts, kind)) for parts, kind in zip(self.body, "kv")]
+        tokens = self.region_tokens()
+        for region, start, n in (("live tokens", 0, tokens["live"]), ("tail", tokens["live"], tokens["tail"])):
+            if n:
+                out += [(region, kind, buf.view(start + n)[:, :, start:]) for kind, buf in zip("KV", self.recent)]
+        if self.rollback is not None:
+            out += [("newest block's fp16 copy", kind, x) for kind, x in zip("KV", self.rollback)]
+        return out
+
+
+class BlockCache(BlockWindow, BlockRegions, GmlxCache):
     """A cache that stores K/V as encoded blocks of `block_tokens` tokens, with an fp16 sink and tail if asked."""
 
     scheme = "block"  # the registered name: set it in the subclass
@@ -160,7 +210,6 @@ class BlockCache(GmlxCache):
         self.recent_count = 0
         self.newest = 0  # tokens of the latest update: not encoded before the next one arrives
         self.rollback: KV | None = None  # the newest block's fp16 K, V (keep_newest_block), until the next encode
-        self._call: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None  # what kept_call keeps
 
     # -- geometry -------------------------------------------------------------------------------------------
     @property
@@ -170,16 +219,6 @@ class BlockCache(GmlxCache):
         if self._body is None and self.n_blocks:
             self._body = KV(*(tuple(buf.view(self.n_blocks) for buf in bufs) for bufs in self.body_buffers))
         return self._body
-
-    def region_tokens(self) -> dict[str, int]:
-        """How many tokens each region holds now."""
-        tail = min(self.recent_count, self.kv_tail_tokens)
-        return {"sink": self.sink_count, "body": self.n_blocks * self.block_tokens,
-                "live": self.recent_count - tail, "tail": tail}
-
-    def block_bytes(self, k_dim: int, v_dim: int) -> int:
-        """Bytes of one encoded block of one head, K and V (from encoding a block of zeros)."""
-        return sum(p.nbytes for kind, d in (("k", k_dim), ("v", v_dim)) for p in self._trial(kind, d))
 
     def check_head_dims(self, k_dim: int, v_dim: int) -> None:
         """Raise a ValueError naming the layer if this scheme cannot encode and decode blocks of these head dims, or
@@ -193,7 +232,7 @@ class BlockCache(GmlxCache):
                                      f"{problem}")
         for kind, d in (("k", k_dim), ("v", v_dim)):
             try:
-                parts = self._trial(kind, d)
+                parts = self.trial_block(kind, d)
                 back = self.unrotate(self._decode_blocks(parts, kind))
                 mx.eval(back)
             except Exception as exc:  # whatever the scheme's code raises: say which block it could not take
@@ -205,7 +244,7 @@ class BlockCache(GmlxCache):
                 raise ValueError(f"{self.where()}: {type(self).__name__}.decode returned shape {tuple(back.shape)} "
                                  f"for a block of shape {want}")
 
-    def _trial(self, kind: str, dim: int) -> tuple[mx.array, ...]:
+    def trial_block(self, kind: str, dim: int) -> tuple[mx.array, ...]:
         return self._encode_blocks(self.rotate(mx.zeros((1, 1, self.block_tokens, dim))), kind)
 
     # -- storing -----------------------------------------------------------------------------------------------
@@ -266,42 +305,6 @@ class BlockCache(GmlxCache):
         self.seal()
         super().settle()
 
-    def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
-        """The shared window rule (cache/window.py: the sink, the tail and whole groups) where the blocks are its
-        groups (128 tokens after a 128-token sink, kvarn's records); other block caches have no rolling window."""
-        if max_kv_size is not None and (self.block_tokens, self.sink_tokens) != (window.GROUP, window.SINK_TOKENS):
-            raise ValueError(f"{where or self.where()}: {type(self).__name__} has no rolling window (max_kv_size); "
-                             "accepted: None")
-        window.check(max_kv_size, self.kv_tail_tokens, where or self.where())
-
-    def _roll(self, newest: int) -> None:
-        """The rolling window (cache/window.py): after the window's 128-token sink (the fp16 sink, then the first
-        blocks if the class keeps fewer tokens fp16) the oldest whole groups leave, from the blocks, or from the
-        recent fp16 tokens while no block lies past the sink (affine before quantized_kv_start); the tail and the
-        latest update stay."""
-        groups = window.groups_to_drop(self.held, self.max_kv_size, newest)
-        skip = window.SINK_TOKENS - self.sink_count  # tokens of the window's sink held after the fp16 sink
-        body = self.n_blocks * self.block_tokens
-        if body > skip:
-            drop = min(groups, (body - skip) // window.GROUP) * window.GROUP
-            first, blocks = skip // self.block_tokens, drop // self.block_tokens
-            if blocks == self.n_blocks:
-                self._hold_blocks(0)
-                self.rollback = None
-            elif blocks:
-                for buf in (b for bufs in self.body_buffers for b in bufs):
-                    buf.remove(first, first + blocks, self.n_blocks)
-                self._hold_blocks(self.n_blocks - blocks)
-        else:
-            start = skip - body
-            room = self.recent_count - start - self.kv_tail_tokens - newest
-            drop = min(groups, max(0, room) // window.GROUP) * window.GROUP
-            if drop:
-                for buf in self.recent:
-                    buf.remove(start, start + drop, self.recent_count)
-                self.recent_count -= drop
-        self.dropped += drop
-
     def _encode(self, blocks: int) -> None:
         """Encode the oldest `blocks` blocks of recent tokens into the body (K and V both)."""
         if blocks <= 0:
@@ -318,7 +321,10 @@ class BlockCache(GmlxCache):
     def _append_blocks(self, tokens: KV) -> None:
         """Encode tokens (B, H, whole blocks, D), fp16 as stored, onto the end of the body."""
         stored = KV(*(x if x.dtype == STORE_DTYPE else x.astype(STORE_DTYPE) for x in tokens))
-        new = KV(*(self._encode_blocks(self._to_encode(x), kind) for x, kind in zip(stored, "kv")))
+        # what `encode` sees of stored fp16 tokens: float32, rotated unless they were on arrival
+        seen = KV(*(x.astype(mx.float32) if self.rotate_on_arrival else self.rotate(x.astype(mx.float32))
+                    for x in stored))
+        new = KV(*(self._encode_blocks(x, kind) for x, kind in zip(seen, "kv")))
         if self.keep_newest_block:
             self.rollback = KV(*(mx.contiguous(x[:, :, x.shape[2] - self.block_tokens:]) for x in stored))
             # the copy is computed with the body: left lazy, it would keep alive the whole fp16 buffer it is cut
@@ -334,37 +340,15 @@ class BlockCache(GmlxCache):
                 buf.write(start, part)
         self._hold_blocks(end, in_place)
 
-    def _to_encode(self, stored: mx.array) -> mx.array:
-        """What `encode` sees of stored fp16 tokens: float32, rotated unless they were on arrival."""
-        x = stored.astype(mx.float32)
-        return x if self.rotate_on_arrival else self.rotate(x)
-
     def _hold_blocks(self, n: int, in_place: bool = False) -> None:
         """Make `body` the first n blocks of the body's buffers (none: no body, no buffers). Unless blocks were only
         written into the buffers in place, the kept fused call goes too (`kept_call`): it must not keep replaced
         arrays alive until the next attention (a seal that grows the buffers, a trim, a rolled window)."""
         if not in_place:
-            self._call = None
+            self._call = None  # a kept fused call (KernelRoute.kept_call) must not keep replaced arrays alive
         if n == 0:
             self.body_buffers = None
         self.n_blocks, self._body = n, None
-
-    def kept_call(self, queries: mx.array, scale: float, mask: Any, objects: tuple[Any, ...], values: tuple[Any, ...],
-                  make: Callable[[], Any]) -> Any:
-        """A decode step's fused call (`make()`, or None where attention takes another route; None at once where no
-        fused route can apply: `may_fuse`, or an array mask), kept from the last step while what it was made from
-        is the same: `objects` (the arrays it reads) the very same objects, and the route's inputs (the path,
-        `selfcheck.context`), the queries' geometry and the scheme's `values` equal. Asking it all again every
-        step costs more host time than the launch itself (docs/history/gpu-rounds.md)."""
-        if not self.may_fuse() or not (mask is None or isinstance(mask, str)):
-            return None
-        values = (queries.shape, queries.dtype, scale, mask, self.attention_path, selfcheck.context(), *values)
-        kept = self._call
-        if kept is not None and kept[1] == values and all(a is b for a, b in zip(kept[0], objects)):
-            return kept[2]
-        call = make()
-        self._call = (objects, values, call)
-        return call
 
     def _encode_blocks(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
         """Tokens (B, H, m * block, D) as m blocks: `encode` sees (B, H * m, block, D); parts return (B, H, m, ...)."""
@@ -401,8 +385,9 @@ class BlockCache(GmlxCache):
         if x.shape[2] % self.block_tokens:
             raise ValueError(f"{type(self).__name__}: roundtrip needs a multiple of {self.block_tokens} tokens, "
                              f"got {x.shape[2]}")
-        stored = (self.rotate(x) if self.rotate_on_arrival else x).astype(STORE_DTYPE)
-        return self.unrotate(self._decode_blocks(self._encode_blocks(self._to_encode(stored), kind), kind))
+        stored = (self.rotate(x) if self.rotate_on_arrival else x).astype(STORE_DTYPE).astype(mx.float32)
+        seen = stored if self.rotate_on_arrival else self.rotate(stored)  # as `_append_blocks` hands `encode`
+        return self.unrotate(self._decode_blocks(self._encode_blocks(seen, kind), kind))
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """The reference attention: softmax over the fetched K/V (a scheme may attend from its codes instead)."""
@@ -420,8 +405,16 @@ class BlockCache(GmlxCache):
         if self.encode_on_arrival and 0 < into_blocks <= droppable * bt and into_blocks % bt:
             raise ValueError(f"{self.where()}: cannot trim {n} tokens: encoded blocks of {bt} tokens leave whole")
         n = self.check_trim(n, limit, "tokens already encoded into blocks cannot be restored exactly")
-        if self.rollback is not None and n > self.recent_count:
-            self._decode_newest()
+        if self.rollback is not None and n > self.recent_count:  # the newest block back from its fp16 copy
+            waiting = self.recent_count
+            back = KV(*(mx.concatenate([r, buf.data[:, :, :waiting]], axis=2) if waiting else r
+                        for r, buf in zip(self.rollback, self.recent)))
+            self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
+            for buf, x in zip(self.recent, back):
+                buf.write(0, x)
+            self.recent_count = waiting + self.block_tokens
+            self._hold_blocks(self.n_blocks - 1)
+            self.rollback = None
         from_recent = min(n, self.recent_count)
         self.recent_count -= from_recent
         blocks = min((n - from_recent) // bt, self.n_blocks) if self.encode_on_arrival else 0
@@ -437,60 +430,11 @@ class BlockCache(GmlxCache):
         self._fetched = None
         return n
 
-    def _decode_newest(self) -> None:
-        """Put the newest block's tokens back in front of the recent ones, from their fp16 copy (`rollback`)."""
-        n = self.recent_count
-        back = KV(*(mx.concatenate([r, buf.data[:, :, :n]], axis=2) if n else r
-                    for r, buf in zip(self.rollback, self.recent)))
-        self.recent = KV(GrowingBuffer(STORE_DTYPE), GrowingBuffer(STORE_DTYPE))
-        for buf, x in zip(self.recent, back):
-            buf.write(0, x)
-        self.recent_count = n + self.block_tokens
-        self._hold_blocks(self.n_blocks - 1)
-        self.rollback = None
-
-    def regions(self) -> dict[str, int]:
-        """Resident bytes by region; "reserve" is what is held beyond the tokens served: the recent and body buffers'
-        growth room and the newest block's fp16 copy (`rollback`)."""
-        tokens = self.region_tokens()
-        recent_bytes = array_bytes(self.recent.k.data, self.recent.v.data)
-        per_token = recent_bytes // max(self.recent.k.capacity(), 1)
-        body = 0 if self.body is None else array_bytes(*self.body.k, *self.body.v)
-        buffers = 0 if self.body_buffers is None else array_bytes(*(b.data for bufs in self.body_buffers for b in bufs))
-        return {
-            "sink": 0 if self.sink is None else array_bytes(*self.sink),
-            "body": body,
-            "live": per_token * tokens["live"],
-            "tail": per_token * tokens["tail"],
-            "reserve": recent_bytes - per_token * self.recent_count + buffers - body
-            + (0 if self.rollback is None else array_bytes(*self.rollback)),
-        }
-
-    def memory_regions(self) -> tuple[dict[str, int], dict[str, int] | None]:
-        """The regions without the reserve, and the tokens each holds (`region_tokens`)."""
-        return super().memory_regions()[0], self.region_tokens()
-
     def __deepcopy__(self, memo: dict) -> BlockCache:
         """An independent copy (GmlxCache.__deepcopy__) that can still restore its newest block."""
         new = super().__deepcopy__(memo)
         new.rollback = self.rollback
         return new
-
-    def stored_tokens(self) -> list[tuple[str, str, mx.array]]:
-        """Each region's K and V as the cache reads them: the sink, the blocks decoded (their codes and scales),
-        the live tokens, the tail, and the newest block's fp16 copy where one is kept."""
-        out = []
-        if self.sink is not None:
-            out += [("sink", "K", self.sink.k), ("sink", "V", self.sink.v)]
-        if self.body is not None:
-            out += [("blocks", kind.upper(), self._decode_blocks(parts, kind)) for parts, kind in zip(self.body, "kv")]
-        tokens = self.region_tokens()
-        for region, start, n in (("live tokens", 0, tokens["live"]), ("tail", tokens["live"], tokens["tail"])):
-            if n:
-                out += [(region, kind, buf.view(start + n)[:, :, start:]) for kind, buf in zip("KV", self.recent)]
-        if self.rollback is not None:
-            out += [("newest block's fp16 copy", kind, x) for kind, x in zip("KV", self.rollback)]
-        return out
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -509,7 +453,7 @@ class BlockCache(GmlxCache):
     @state.setter
     def state(self, v: tuple[Any, ...]) -> None:
         reader = None if saved.is_trusted() else saved.StateReader(v, type(self), LAYOUT, fixed=STATE_ITEMS)
-        items = list(v[:-1]) if reader is None else self._checked_items(reader)
+        items = list(v[:-1]) if reader is None else saved.block_items(reader, STATE_ITEMS, GEOMETRY)
         sk, sv, bk, bv, rk, rv, offset, newest, layer, *rest = items
         geometry, shape, (max_kv_size, dropped, *sliding), pairs = rest[:3], rest[3:7], rest[7:11], rest[11:]
         options = dict(zip(pairs[0::2], pairs[1::2]))
@@ -537,78 +481,7 @@ class BlockCache(GmlxCache):
             self.recent = KV(GrowingBuffer(STORE_DTYPE, rk), GrowingBuffer(STORE_DTYPE, rv))
             self.recent_count = rk.shape[2]
         if reader is not None:
-            self._check_loaded(reader)
-
-    def _checked_items(self, r: saved.StateReader) -> list[Any]:
-        """A saved state's items checked before anything is built from them: scalars in range, arrays in place."""
-        items = r.items
-        if (len(items) - STATE_ITEMS) % 2:
-            raise r.fail(f"the options after the {STATE_ITEMS} fixed items are not name, value pairs")
-        offset = r.common({"layer": items[8], "offset": items[6], "max_kv_size": items[16], "dropped": items[17],
-                           "sliding_window": items[18], "sliding_hold": items[19], "shape": items[12:16]})
-        r.integer(r.present(items[7], "newest"), "newest (tokens of the latest update)", high=offset)
-        for name, value in zip(GEOMETRY, items[9:12]):
-            r.integer(r.present(value, name), name, 1 if name == "block_tokens" else 0)
-        for i, region in ((0, "sink"), (4, "recent")):
-            if r.pair(items[i], items[i + 1], region):
-                for kind, x in zip("KV", items[i:i + 2]):
-                    if not isinstance(x, mx.array) or x.ndim != 4:
-                        raise r.fail(f"{region} {kind} is {saved.describe(x)}; expected a 4-d array (batch, kv "
-                                     "heads, tokens, head_dim)")
-        if r.pair(items[2], items[3], "blocks"):
-            for kind, parts in zip("KV", items[2:4]):
-                if not isinstance(parts, (list, tuple)) or not parts:
-                    raise r.fail(f"blocks {kind} is {saved.describe(parts)}; expected the parts of the encoded blocks")
-                for i, x in enumerate(parts):
-                    if not isinstance(r.present(x, f"blocks {kind} part {i}"), mx.array) or x.ndim < 3:
-                        raise r.fail(f"blocks {kind} part {i} is {saved.describe(x)}; expected an array (batch, "
-                                     "kv heads, blocks, ...)")
-        names = items[STATE_ITEMS::2]
-        if not all(isinstance(n, str) for n in names):
-            raise r.fail(f"option names {names!r}; expected strings")
-        return items
-
-    def _check_loaded(self, r: saved.StateReader) -> None:
-        """The loaded arrays against the geometry: each array's shape and dtype, the regions adding up to the tokens
-        held with nothing due left unencoded, and (unless the loader says not to) every value finite."""
-        if self._shape is None:
-            if self.offset or self.sink is not None or self.body is not None or self.recent_count:
-                raise r.fail(f"holds tokens (offset {self.offset}) but no K/V shape")
-            r.held_state(self)
-            return
-        b, h, dk, dv = self._shape
-        try:
-            self.check_head_dims(dk, dv)
-        except ValueError as exc:
-            raise r.fail(f"its K/V shape {self._shape}: {exc}") from None
-        sink = min(self.offset, self.sink_tokens)
-        for kind, d, x in (("K", dk, None if self.sink is None else self.sink.k),
-                           ("V", dv, None if self.sink is None else self.sink.v)):
-            if sink or x is not None:
-                r.array(x, f"sink {kind}", (b, h, sink, d), STORE_DTYPE)
-        blocks = self.n_blocks
-        for kind, d, parts in (("k", dk, self.body and self.body.k), ("v", dv, self.body and self.body.v)):
-            if parts is None:
-                continue
-            want = self._trial(kind, d)
-            if len(parts) != len(want):
-                raise r.fail(f"blocks {kind.upper()} have {len(parts)} parts; {type(self).__name__} encodes "
-                             f"{len(want)}")
-            for i, (x, w) in enumerate(zip(parts, want)):
-                r.array(x, f"blocks {kind.upper()} part {i}", (b, h, blocks, *w.shape[3:]), w.dtype)
-        recent = self.held - sink - blocks * self.block_tokens
-        if recent < 0:
-            raise r.fail(f"its sink ({sink}) and {blocks} blocks of {self.block_tokens} hold more than the "
-                         f"{self.held} tokens that offset {self.offset} less dropped {self.dropped} leave")
-        for kind, d, buf in (("K", dk, self.recent.k), ("V", dv, self.recent.v)):
-            if recent or self.recent_count:
-                r.array(buf.data if self.recent_count else None, f"recent {kind}", (b, h, recent, d), STORE_DTYPE)
-        if self.encode_on_arrival and self.newest:
-            raise r.fail(f"newest is {self.newest}; {type(self).__name__} encodes on arrival, so it is 0")
-        if self.due_blocks():
-            raise r.fail(f"{self.due_blocks()} complete blocks of its recent tokens are due to be encoded")
-        r.held_state(self)
-
+            saved.block_loaded(self, reader, STORE_DTYPE)
 
 @lru_cache(maxsize=1024)
 def encoded_block_bytes(cls: type[BlockCache], options: tuple[tuple[str, Any], ...], k_dim: int, v_dim: int) -> int:

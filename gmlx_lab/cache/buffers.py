@@ -18,6 +18,11 @@ class KV(NamedTuple):
 STORE_DTYPE = mx.float16
 
 
+def array_bytes(*arrays: Any) -> int:
+    """Bytes held by the given arrays (None counts as 0)."""
+    return sum(a.nbytes for a in arrays if a is not None)
+
+
 def fill_sink(sink: KV | None, keys: mx.array, values: mx.array, room: int) -> tuple[KV, mx.array, mx.array]:
     """Move an update's first `room` tokens into an fp16 sink; returns the sink and the update's other tokens.
 

@@ -92,4 +92,5 @@ class FloatScheme(BlockScheme):
 
 SCHEME = register_scheme(FloatScheme(
     "float", "microscaling floats per token (mxfp4, nvfp4, mxfp8 via mx.quantize), Hadamard rotation optional",
-    cache_class=FloatCache, color="#e377c2"))
+    cache_class=FloatCache, color="#e377c2",
+    examples=({"bits": 4, "group_size": 16, "rotation": 1}, {"bits": 8, "kv_tail_tokens": 64}, {"sink_tokens": 4})))

@@ -14,8 +14,8 @@ import numpy as np
 
 from ..registry import BASELINE, Scheme, register_scheme
 from . import saved
-from .base import GmlxCache, array_bytes
-from .buffers import STORE_DTYPE, GrowingBuffer
+from .base import GmlxCache
+from .buffers import STORE_DTYPE, GrowingBuffer, array_bytes
 from .window import GROUP, SINK_TOKENS, groups_to_drop
 
 LAYOUT = "gmlx_lab.FP16Cache/1"  # the last item of `state`: a saved state of another layout is refused

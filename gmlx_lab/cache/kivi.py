@@ -64,4 +64,5 @@ class KiviScheme(BlockScheme):
 
 SCHEME = register_scheme(KiviScheme(
     "kivi", "KIVI: K per channel over blocks of 32 tokens, V per token in groups of 32 channels, fp16 recent window",
-    cache_class=KiviCache, color="#8c564b"))
+    cache_class=KiviCache, color="#8c564b",
+    examples=({"k_bits": 4, "v_bits": 3, "kv_tail_tokens": 64}, {"bits": 2, "sink_tokens": 4, "kv_tail_tokens": 0})))

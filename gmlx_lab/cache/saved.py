@@ -183,3 +183,76 @@ def load_prompt_cache(path: str | Path, return_metadata: bool = False, check_fin
     finally:
         _FINITE.reset(token)
     return (caches, metadata) if return_metadata else caches
+
+
+def block_items(r: StateReader, fixed: int, geometry: tuple[str, ...]) -> list[Any]:
+    """A block cache's saved items (cache/block.py's `state`: `fixed` items, then option name, value pairs) checked
+    before anything is built from them: scalars in range, arrays in place."""
+    items = r.items
+    if (len(items) - fixed) % 2:
+        raise r.fail(f"the options after the {fixed} fixed items are not name, value pairs")
+    offset = r.common({"layer": items[8], "offset": items[6], "max_kv_size": items[16], "dropped": items[17],
+                       "sliding_window": items[18], "sliding_hold": items[19], "shape": items[12:16]})
+    r.integer(r.present(items[7], "newest"), "newest (tokens of the latest update)", high=offset)
+    for name, value in zip(geometry, items[9:12]):
+        r.integer(r.present(value, name), name, 1 if name == "block_tokens" else 0)
+    for i, region in ((0, "sink"), (4, "recent")):
+        if r.pair(items[i], items[i + 1], region):
+            for kind, x in zip("KV", items[i:i + 2]):
+                if not isinstance(x, mx.array) or x.ndim != 4:
+                    raise r.fail(f"{region} {kind} is {describe(x)}; expected a 4-d array (batch, kv "
+                                 "heads, tokens, head_dim)")
+    if r.pair(items[2], items[3], "blocks"):
+        for kind, parts in zip("KV", items[2:4]):
+            if not isinstance(parts, (list, tuple)) or not parts:
+                raise r.fail(f"blocks {kind} is {describe(parts)}; expected the parts of the encoded blocks")
+            for i, x in enumerate(parts):
+                if not isinstance(r.present(x, f"blocks {kind} part {i}"), mx.array) or x.ndim < 3:
+                    raise r.fail(f"blocks {kind} part {i} is {describe(x)}; expected an array (batch, "
+                                 "kv heads, blocks, ...)")
+    names = items[fixed::2]
+    if not all(isinstance(n, str) for n in names):
+        raise r.fail(f"option names {names!r}; expected strings")
+    return items
+
+
+def block_loaded(cache: Any, r: StateReader, store_dtype: mx.Dtype) -> None:
+    """The loaded arrays against the geometry: each array's shape and dtype, the regions adding up to the tokens
+    held with nothing due left unencoded, and (unless the loader says not to) every value finite."""
+    if cache.kv_shape is None:
+        if cache.offset or cache.sink is not None or cache.body is not None or cache.recent_count:
+            raise r.fail(f"holds tokens (offset {cache.offset}) but no K/V shape")
+        r.held_state(cache)
+        return
+    b, h, dk, dv = cache.kv_shape
+    try:
+        cache.check_head_dims(dk, dv)
+    except ValueError as exc:
+        raise r.fail(f"its K/V shape {cache.kv_shape}: {exc}") from None
+    sink = min(cache.offset, cache.sink_tokens)
+    for kind, d, x in (("K", dk, None if cache.sink is None else cache.sink.k),
+                       ("V", dv, None if cache.sink is None else cache.sink.v)):
+        if sink or x is not None:
+            r.array(x, f"sink {kind}", (b, h, sink, d), store_dtype)
+    blocks = cache.n_blocks
+    for kind, d, parts in (("k", dk, cache.body and cache.body.k), ("v", dv, cache.body and cache.body.v)):
+        if parts is None:
+            continue
+        want = cache.trial_block(kind, d)
+        if len(parts) != len(want):
+            raise r.fail(f"blocks {kind.upper()} have {len(parts)} parts; {type(cache).__name__} encodes "
+                         f"{len(want)}")
+        for i, (x, w) in enumerate(zip(parts, want)):
+            r.array(x, f"blocks {kind.upper()} part {i}", (b, h, blocks, *w.shape[3:]), w.dtype)
+    recent = cache.held - sink - blocks * cache.block_tokens
+    if recent < 0:
+        raise r.fail(f"its sink ({sink}) and {blocks} blocks of {cache.block_tokens} hold more than the "
+                     f"{cache.held} tokens that offset {cache.offset} less dropped {cache.dropped} leave")
+    for kind, d, buf in (("K", dk, cache.recent.k), ("V", dv, cache.recent.v)):
+        if recent or cache.recent_count:
+            r.array(buf.data if cache.recent_count else None, f"recent {kind}", (b, h, recent, d), store_dtype)
+    if cache.encode_on_arrival and cache.newest:
+        raise r.fail(f"newest is {cache.newest}; {type(cache).__name__} encodes on arrival, so it is 0")
+    if cache.due_blocks():
+        raise r.fail(f"{cache.due_blocks()} complete blocks of its recent tokens are due to be encoded")
+    r.held_state(cache)

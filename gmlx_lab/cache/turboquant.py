@@ -214,4 +214,5 @@ class TurboQuantScheme(BlockScheme):
 
 SCHEME = register_scheme(TurboQuantScheme(
     "turboquant", "TurboQuant: randomized Hadamard rotation, Lloyd-Max codes per coordinate, fp16 norms, "
-    "optional QJL residual for K", cache_class=TurboQuantCache, color="#d62728"))
+    "optional QJL residual for K", cache_class=TurboQuantCache, color="#d62728",
+    examples=({"k_bits": 3, "v_bits": 4}, {"bits": 4, "qjl": 1, "sink_tokens": 4}, {"bits": 2, "kv_tail_tokens": 1})))

@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import create_attention_mask
 
 from .kvarn.records import SINK_TOKENS, TILE, region_tokens
 
@@ -104,3 +105,123 @@ def sliding_mask(n: int, offset: int, max_size: int, window_size: int | None = N
         return None
     keys = min(offset + 1, max_size)
     return mx.arange(keys) >= keys - window_size
+
+
+class RollingWindow:
+    """A cache's side of the window rules above: a rolling window (`set_window`) and serving a model's sliding layer
+    (`set_sliding`), for a cache with `where()`, `offset`, `dropped`, `max_kv_size` and its own `_roll`."""
+
+    sliding_window: int | None = None  # serving a model's sliding-window layer (set_sliding), or None
+    sliding_hold: int | None = None  # its rolling window between updates (set_sliding), or None
+
+    @property
+    def held(self) -> int:
+        """Tokens the cache holds now: all that arrived, less what a rolling window dropped."""
+        return self.offset - self.dropped
+
+    def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
+        """Refuse a window this cache cannot roll, naming `where` (default: the layer): the one home of a scheme's
+        window rule (`Scheme.check_window` asks it). By default the shared rule of gmlx_lab/cache/window.py."""
+        check(max_kv_size, None, where or self.where())
+
+    def set_window(self, max_kv_size: int | None) -> None:
+        """Make this (empty) cache a rolling window of `max_kv_size` tokens; None: no window."""
+        if self.offset:
+            raise ValueError(f"{self.where()}: set the window of an empty cache (this one holds {self.offset} tokens)")
+        self.window_check(max_kv_size)
+        self.max_kv_size = max_kv_size
+
+    def settle(self) -> None:
+        """Do now what the next update would do first: roll the window (kvarn also seals its due records), so
+        `nbytes` shows the steady state; the tokens dropped or sealed can no longer be trimmed."""
+        if self.sliding_hold is not None:
+            self.max_kv_size = self.sliding_hold
+        if self.max_kv_size is not None:
+            self._roll(0)
+
+    def _roll(self, newest: int) -> None:
+        """Drop what the rolling window no longer holds (each cache, for its storage)."""
+        raise NotImplementedError
+
+    def sliding_state(self) -> tuple[int | None, int | None]:
+        """The sliding-window setting (set_sliding) as `state` scalars, so save/load and from_state keep it."""
+        return (self.sliding_window, self.sliding_hold)
+
+    def restore_sliding(self, values: tuple[Any, ...] | list[Any]) -> None:
+        """Set what `sliding_state` stored; none stored (a file saved before it was) leaves a global layer."""
+        if values:
+            self.sliding_window, self.sliding_hold = values
+
+    def set_sliding(self, window_size: int) -> None:
+        """Serve a model's sliding-window layer of `window_size` tokens in place of mlx-lm's RotatingKVCache: hand
+        back the K/V it would (the newest window_size - 1 tokens before the update, then the update) and make the
+        masks it makes, so the model's own sliding mask fits every sliding layer. What the cache holds beyond
+        them (a rolling window's sink) is not attended. A rolling window set before (`set_window`, at least
+        window.sliding_hold) bounds what it holds between updates; during an update of n tokens it holds n
+        more, as RotatingKVCache does, since the update's first queries still see the window before it. Kept in
+        `state` (sliding_state), so save/load, from_state and deep copies keep it."""
+        if self.offset:
+            raise ValueError(f"{self.where()}: set_sliding on an empty cache (this one holds {self.offset} tokens)")
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"{self.where()}: sliding window {window_size!r}; accepted: an int >= 1")
+        if self.max_kv_size is not None and self.max_kv_size < sliding_hold(window_size):
+            raise ValueError(f"{self.where()}: a rolling window of {self.max_kv_size} tokens cannot serve a sliding "
+                             f"window of {window_size}; accepted: max_kv_size >= {sliding_hold(window_size)}")
+        self.sliding_window, self.sliding_hold = window_size, self.max_kv_size
+
+    def held_positions(self) -> list[tuple[int, int]]:
+        """The token positions held, as [start, end) ranges (one range without a window)."""
+        return held_positions(self.offset, self.dropped)
+
+    def sliding_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """What a sliding layer hands the model after an update (set_sliding): the K/V RotatingKVCache would."""
+        keep = sliding_keys(self.offset, self.arrived, self.sliding_window)
+        if keys.shape[2] < keep:
+            raise RuntimeError(f"{self.where()}: holds {keys.shape[2]} tokens, the sliding window needs {keep}")
+        return keys[..., keys.shape[2] - keep:, :], values[..., values.shape[2] - keep:, :]
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sliding_window is not None:  # the mask RotatingKVCache makes (set_sliding)
+            return sliding_mask(*args, offset=self.offset, max_size=self.sliding_window, **kwargs)
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+
+class BlockWindow:
+    """The rolling window of a block cache (cache/block.py) whose blocks are the window's groups: drop whole blocks
+    after the sink, or, before any block lies past it, groups of recent fp16 tokens."""
+
+    def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
+        """The shared window rule (cache/window.py: the sink, the tail and whole groups) where the blocks are its
+        groups (128 tokens after a 128-token sink, kvarn's records); other block caches have no rolling window."""
+        if max_kv_size is not None and (self.block_tokens, self.sink_tokens) != (GROUP, SINK_TOKENS):
+            raise ValueError(f"{where or self.where()}: {type(self).__name__} has no rolling window (max_kv_size); "
+                             "accepted: None")
+        check(max_kv_size, self.kv_tail_tokens, where or self.where())
+
+    def _roll(self, newest: int) -> None:
+        """The rolling window (cache/window.py): after the window's 128-token sink (the fp16 sink, then the first
+        blocks if the class keeps fewer tokens fp16) the oldest whole groups leave, from the blocks, or from the
+        recent fp16 tokens while no block lies past the sink (affine before quantized_kv_start); the tail and the
+        latest update stay."""
+        groups = groups_to_drop(self.held, self.max_kv_size, newest)
+        skip = SINK_TOKENS - self.sink_count  # tokens of the window's sink held after the fp16 sink
+        body = self.n_blocks * self.block_tokens
+        if body > skip:
+            drop = min(groups, (body - skip) // GROUP) * GROUP
+            first, blocks = skip // self.block_tokens, drop // self.block_tokens
+            if blocks == self.n_blocks:
+                self._hold_blocks(0)
+                self.rollback = None
+            elif blocks:
+                for buf in (b for bufs in self.body_buffers for b in bufs):
+                    buf.remove(first, first + blocks, self.n_blocks)
+                self._hold_blocks(self.n_blocks - blocks)
+        else:
+            start = skip - body
+            room = self.recent_count - start - self.kv_tail_tokens - newest
+            drop = min(groups, max(0, room) // GROUP) * GROUP
+            if drop:
+                for buf in self.recent:
+                    buf.remove(start, start + drop, self.recent_count)
+                self.recent_count -= drop
+        self.dropped += drop

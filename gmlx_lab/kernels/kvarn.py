@@ -323,7 +323,7 @@ def kvarn_attend(queries: mx.array, scale: float, mask: Any, parts: KvarnParts, 
 class KvarnCall:
     """A kvarn_decode call prepared for decode steps: its plan, compiled graph and the inputs that stay (records,
     sink, recent buffers, scale). A step passes what moves: the queries, the recent-token count and the counter.
-    KVarNCache keeps one while nothing it was made from changed (its arrays stay the same objects: a write into
+    KvarnCache keeps one while nothing it was made from changed (its arrays stay the same objects: a write into
     the recent buffers updates them in place), so a step does not plan its launch again: host time a layer."""
 
     def __init__(self, shape: tuple[int, ...], scale: float, causal: bool, parts: KvarnParts):

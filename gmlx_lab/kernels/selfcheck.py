@@ -149,7 +149,7 @@ def _record(name: str, result: CheckResult) -> None:
 def context() -> tuple[str, config.KernelConfig, int]:
     """What decides whether and how a fused kernel runs, as of now: the source the kernels run (the GPU's, or CPU
     threads'), the settings in force and the self-checks recorded so far. A call prepared in one context may be
-    made again while it stays the same (KVarNCache's decode steps)."""
+    made again while it stays the same (KvarnCache's decode steps)."""
     return kernel_backend(), config.current(), _epoch
 
 

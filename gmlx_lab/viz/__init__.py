@@ -13,10 +13,10 @@ import os
 from ..cache.kvarn.records import record_bytes
 from ..measure.sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from . import plotlyjs
-from .capacity import capacity_figure
+from .capacity_figures import capacity_figure
 from .code import Source, source
 from .example import EXAMPLE_MODEL, EXAMPLE_TOKENS, RunningExample, example_model, running_example
-from .field import SchemeIdea, field_kl_figure, field_passkey_figure, idea_figure, scheme_idea
+from .field_figures import SchemeIdea, field_kl_figure, field_passkey_figure, idea_figure, scheme_idea
 from .figures import (
     REGION_COLORS,
     Table,
@@ -56,6 +56,14 @@ from .figures import (
     window_stream,
 )
 from .plan import plan_figure, plan_slider, plan_versus_uniform, sensitivity_figure
+from .published import (
+    GMLX_KL_TABLE,
+    LLAMA_CPP_ROTATION_PPL,
+    REAL_DENSE_CONFIGS,
+    benchmark_results,
+    dense_bytes_per_token,
+    family_curves,
+)
 from .quant import (
     AffineRow,
     affine_row,
@@ -71,17 +79,9 @@ from .quant import (
     scale_spans,
 )
 from .say import Say, say
-from .sources import (
-    GMLX_KL_TABLE,
-    LLAMA_CPP_ROTATION_PPL,
-    REAL_DENSE_CONFIGS,
-    benchmark_results,
-    dense_bytes_per_token,
-    family_curves,
-)
 from .style import context_ticks, figure_problems, log_ticks, num, scheme_color, scheme_colors, trace_styles
-from .tradeoff import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
-from .verdict import floor_figure, verdict_figure
+from .tradeoff_figures import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
+from .verdict_figures import floor_figure, verdict_figure
 
 __all__ = [
     "AffineRow", "GMLX_KL_TABLE", "LLAMA_CPP_ROTATION_PPL", "LayerShape", "REAL_DENSE_CONFIGS", "REGION_COLORS",

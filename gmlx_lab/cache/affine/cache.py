@@ -25,9 +25,9 @@ from ...kernels import AffineCall, SplitCounter, active_backend, affine_attend, 
 from ...registry import Option, register_scheme
 from .. import window
 from ..attention import apply_mask
-from ..base import array_bytes
 from ..block import BlockCache, BlockScheme
-from ..buffers import KV, STORE_DTYPE, GrowingBuffer
+from ..buffers import KV, STORE_DTYPE, GrowingBuffer, array_bytes
+from ..kernel_route import KernelRoute
 from ..rotation import rotation_problem
 
 AFFINE_BITS = (2, 3, 4, 6, 8)  # the widths mx.quantize's affine mode packs
@@ -40,7 +40,7 @@ def group_problem(head_dim: int, group_size: int) -> str | None:
     return f"head_dim {head_dim} is not a multiple of group_size {group_size}" if head_dim % group_size else None
 
 
-class AffineCache(BlockCache):
+class AffineCache(KernelRoute, BlockCache):
     """K/V quantized per token in groups; fp16 until `quantized_kv_start` tokens have arrived."""
 
     scheme = "affine"
@@ -255,8 +255,9 @@ class AffineScheme(BlockScheme):
 
 AFFINE = register_scheme(AffineScheme(
     "affine", "mlx-lm's grouped affine quantization of each token's K/V row (--kv-bits)",
-    cache_class=AffineCache, color="#1f77b4"))
+    cache_class=AffineCache, color="#1f77b4",
+    examples=({"bits": 8}, {"bits": 3, "group_size": 32, "quantized_kv_start": 100}, {"bits": 4})))
 AFFINE_ROT = register_scheme(AffineScheme(
     "affine_rot", "affine after a per-head Hadamard rotation (llama.cpp's default for quantized KV since "
     "April 2026, PR 21038)",
-    cache_class=AffineRotCache, color="#17becf"))
+    cache_class=AffineRotCache, color="#17becf", examples=({"bits": 4}, {"bits": 3})))

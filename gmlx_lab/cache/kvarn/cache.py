@@ -44,11 +44,12 @@ from ...kernels import (
     seal_records,
     unpack_records,
 )
+from ...mlx_lm_hooks import register_cache_class
 from ...registry import Option, register_scheme
 from ..attention import grouped_attention, merge_partials
-from ..base import array_bytes
 from ..block import BlockCache, BlockScheme
-from ..buffers import KV, STORE_DTYPE
+from ..buffers import KV, STORE_DTYPE, array_bytes
+from ..kernel_route import KernelRoute
 from ..options import width_options
 from . import records
 from .records import (
@@ -64,10 +65,10 @@ from .records import (
     head_dim_problem,
 )
 
-__all__ = ["KVarNCache", "SINK_TOKENS"]
+__all__ = ["KvarnCache", "SINK_TOKENS"]
 
 
-class KVarNCache(BlockCache):
+class KvarnCache(KernelRoute, BlockCache):
     """kvarn: fp16 sink and recent tokens around a body of bit-packed, variance-normalized records."""
 
     scheme = "kvarn"
@@ -181,7 +182,7 @@ class KVarNCache(BlockCache):
         if the model reads the K/V itself, and then kept until the body changes, which spares a decode per step).
         """
         if decode_step is None:
-            decode_step = self._arrived <= MAX_QUERY_TOKENS
+            decode_step = self.arrived <= MAX_QUERY_TOKENS
         n = self.recent_count
         if decode_step and self.kernel_route(True, "kvarn_decode") == "fused":
             if self._prefix is None or self._prefix[0] is not self.body or self._prefix[1] is not self.sink:
@@ -362,4 +363,7 @@ class KvarnScheme(BlockScheme):
 
 SCHEME = register_scheme(KvarnScheme(
     "kvarn", "Hadamard rotation + variance-normalized 128x128 records, fp16 sink and tail (KVarN)",
-    cache_class=KVarNCache, color="#ff7f0e"))
+    cache_class=KvarnCache, color="#ff7f0e",
+    examples=({"bits": 6, "kv_tail_tokens": 0}, {"k_bits": 8, "v_bits": 4, "kv_tail_tokens": 64},
+              {"bits": 4, "kv_tail_tokens": 0})))
+register_cache_class(KvarnCache, "KVarNCache")  # prompt caches saved before the class took its scheme's spelling

@@ -1,0 +1,82 @@
+"""Kernel routing, a mixin only the schemes with fused GPU kernels inherit (kvarn, affine): which path `attend` takes
+(the fused kernel, its emulation or the pure-MLX reference), whether a kernel passed its self-check, and the fused
+call a decode step keeps. A pure-MLX scheme never imports this module, so it never loads the kernel layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from ..kernels import active_backend, precompiled, selfcheck
+
+
+class KernelRoute:
+    """For a cache with `attention_path`, `ATTENTION_PATHS` and `where()` (the cache base)."""
+
+    KERNELS: tuple[str, ...] = ()  # the fused kernels this cache uses on a GPU (each self-checked on first use)
+    _call: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None  # what kept_call keeps
+
+    def kernel_route(self, supported: bool, kernel: str) -> str | None:
+        """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path.
+
+        The fused route needs `kernel` to have passed its self-check on this GPU (kernels/selfcheck.py);
+        if it failed, "auto" takes the reference path (the check warned) and "fused" is an error."""
+        path = self.attention_path
+        if path not in self.ATTENTION_PATHS:
+            raise ValueError(f"{self.where()}: attention_path={path!r}; accepted: {', '.join(self.ATTENTION_PATHS)}")
+        if path == "reference" or not supported:
+            return None
+        if path == "emulated":
+            return "emulated"
+        if not self.may_fuse():  # "auto" on the CPU
+            return None
+        if not selfcheck.passed(kernel):
+            if path == "fused":
+                raise RuntimeError(f"{self.where()}: kernel {kernel} failed its self-check on this GPU "
+                                   f"({selfcheck.failure(kernel)}); use attention_path='auto' or 'reference'")
+            return None
+        return "fused"
+
+    def may_fuse(self) -> bool:
+        """Whether `kernel_route` can answer "fused" at all (the "fused" path, or "auto" on a GPU backend): a
+        cheap test first, so the CPU's reference path does not prepare a fused call at every step."""
+        path = self.attention_path
+        return path == "fused" or (path == "auto" and active_backend() != "cpu")
+
+    def uses_kernel(self, kernel: str) -> bool:
+        """Whether this cache runs `kernel` (sealing, decoding) rather than its pure-MLX twin: a GPU backend, not
+        the reference path, and a passed self-check."""
+        return self.attention_path != "reference" and active_backend() != "cpu" and selfcheck.passed(kernel)
+
+    def attention_route(self) -> str:
+        """How this cache attends and stores on this machine, in words (the fused kernels, or why not)."""
+        if self.attention_path == "reference" or not self.KERNELS:
+            return "reference (pure MLX)" if self.KERNELS else "mlx.fast.scaled_dot_product_attention"
+        if active_backend() == "cpu":
+            return "reference (pure MLX: no GPU backend)"
+        failed = [f"{k}: {selfcheck.failure(k)}" for k in self.KERNELS if not selfcheck.passed(k)]
+        if failed:
+            return "reference for " + "; ".join(failed) + " (failed self-check)"
+        note = precompiled.note()
+        return "fused kernels: " + ", ".join(self.KERNELS) + (f" ({note})" if note else "")
+
+    def kept_call(self, queries: mx.array, scale: float, mask: Any, objects: tuple[Any, ...], values: tuple[Any, ...],
+                  make: Callable[[], Any]) -> Any:
+        """A decode step's fused call (`make()`, or None where attention takes another route; None at once where no
+        fused route can apply: `may_fuse`, or an array mask), kept from the last step while what it was made from
+        is the same: `objects` (the arrays it reads) the very same objects, and the route's inputs (the path,
+        `selfcheck.context`), the queries' geometry and the scheme's `values` equal. Asking it all again every
+        step costs more host time than the launch itself (docs/history/gpu-rounds.md). A cache that replaces an
+        array sets `_call` to None."""
+        if not self.may_fuse() or not (mask is None or isinstance(mask, str)):
+            return None
+        values = (queries.shape, queries.dtype, scale, mask, self.attention_path, selfcheck.context(), *values)
+        kept = self._call
+        if kept is not None and kept[1] == values and all(a is b for a, b in zip(kept[0], objects)):
+            return kept[2]
+        call = make()
+        self._call = (objects, values, call)
+        return call
