@@ -5,9 +5,9 @@ factory, its label, its byte formula, its policy rule (which layers it can take)
 memory report, the quantization helpers and the widgets need. `make_cache`, the policy, the command line,
 the figures, the widgets and the tests read only `SCHEMES`; none of them tests a scheme's name.
 
-The built-in schemes live in `gmlx_lab/cache/<name>/` (one folder each) and register themselves when gmlx_lab is
-imported; `register_scheme` adds one at run time (see `gmlx_lab/cache/block.py` for a base that writes most
-of a scheme for you, and notebook 09).
+The built-in schemes live in `gmlx_lab/cache/` (one module each, a folder where a scheme has kernels) and register
+themselves when gmlx_lab is imported; `register_scheme` adds one at run time (see `gmlx_lab/cache/block.py` for a
+base that writes most of a scheme for you, and notebook 09).
 """
 
 from __future__ import annotations

@@ -452,3 +452,31 @@ def test_verdict_benchmark_goes_on_where_a_run_stopped(tmp_path: Path, monkeypat
     assert bench.main(["--model", "m", "--contexts", "512,1024", "--schemes", "affine4,kvarn4", "--missing"]) == 0
     assert (tmp_path / "verdict-m-test.json").read_text() == before  # nothing measured, nothing written
     assert len(json.loads(before)["runs"]) == 2
+
+
+@pytest.mark.parametrize("model", [None, "smollm2-135m", "gemma3-270m"])
+def test_recommend_answers_for_your_model(model: str | None, capsys: pytest.CaptureFixture) -> None:
+    """`gmlx-lab recommend`: this model's bytes, the nearest measured fidelity, the recommendation or why there is
+    none, and the plan command that measures it; the bundled model, SmolLM2 and Gemma alike."""
+    from gmlx_lab import cli
+
+    argv = ["recommend", "--context", "4096", "--budget", "50%", "--json"] + (["--model", model] if model else [])
+    assert cli.main(argv) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["budget"] == 0.5 and answer["context"] == 4096 and "gmlx-lab plan --model" in answer["plan_command"]
+    assert answer["evidence"] in {"teaching-llama", "smollm2-135m", "gemma3-270m"}
+    for row in answer["fitting"]:
+        assert float(row["% of fp16's bytes (yours)"]) <= 50 and row["keeps the model"] in ("yes", "no")
+    if answer["recommended"]:
+        assert "use " in answer["text"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["recommend", "--budget", "1.5"])
+    assert stop.value.code == 2 and "outside (0, 1]" in capsys.readouterr().err
+
+
+def test_recommend_borrows_from_the_model_whose_policy_is_nearest() -> None:
+    from gmlx_lab.measure.advice import nearest_evidence
+
+    grows, windows = nearest_evidence(29 / 30, 8000), nearest_evidence(2 / 18, 1000)
+    assert grows[0].model == "smollm2-135m" and windows[0].model == "gemma3-270m"
+    assert windows[1] == 1024 and grows[1] in grows[0].contexts

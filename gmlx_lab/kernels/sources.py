@@ -55,7 +55,7 @@ METAL_ATTRIBUTES = {
 }
 
 
-# Preprocessor constants that a kernel's CUDA header starts with, by kernel (decode.py sets kvarn_decode's launch
+# Preprocessor constants that a kernel's CUDA header starts with, by kernel (kvarn.py sets kvarn_decode's launch
 # bounds). They join the kernel's name, so that MLX never reuses a kernel compiled with other values.
 CUDA_DEFINES: dict[str, dict[str, int]] = {}
 

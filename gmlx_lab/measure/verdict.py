@@ -96,6 +96,20 @@ class VerdictResults:
         (any machine but the CPU, where gmlx_lab computes in float32), else 0."""
         return 0.0 if self.machines == ["cpu"] else FP16_KL_FLOOR
 
+    def run_summary(self) -> str:
+        """The runs behind the rows, one clause a machine: how many, their commits and dates, one command."""
+        by_machine: dict[str, list[dict[str, Any]]] = {}
+        for run in self.runs:
+            by_machine.setdefault(run.get("machine", {}).get("tag", "unknown"), []).append(run)
+        parts = []
+        for machine, runs in by_machine.items():
+            commits = ", ".join(sorted({str(r.get("commit", "?")) for r in runs}))
+            dates = ", ".join(sorted({str(r.get("date", "?"))[:10] for r in runs}))
+            command = runs[0].get("command", "").split(" --schemes")[0]
+            parts.append(f"{len(runs)} run{'s' if len(runs) > 1 else ''} on the {machine} (commit {commits}, {dates}; "
+                         f"e.g. `{command}`)")
+        return "; ".join(parts)
+
     @property
     def method(self) -> str:
         return self.runs[-1]["method"] if self.runs else ""
