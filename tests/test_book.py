@@ -14,7 +14,8 @@ import nbformat
 import pytest
 
 from gmlx_lab import book
-from gmlx_lab.book import run, site, widgets
+from gmlx_lab.book import run, site
+from gmlx_lab.book import static_widgets as widgets
 
 
 def test_widget_cell_does_not_wait_out_its_timeout(tmp_path: Path) -> None:
@@ -176,3 +177,9 @@ def test_the_stamp_says_uncommitted_only_for_what_the_pages_are_made_from(tmp_pa
     assert "uncommitted" not in book.commit_stamp(folder)
     (tmp_path / "notebooks/00_a.ipynb").write_text("two")
     assert book.commit_stamp(folder).endswith(" with uncommitted changes")
+
+
+def test_the_book_does_not_show_nbval_s_marker() -> None:
+    """A checked cell's marker line is for the tests: the page shows the code and its output without it."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(1)")])
+    assert site.static_notebook(nb).cells[0].source == "print(1)"

@@ -15,8 +15,7 @@ from pathlib import Path
 import nbformat
 
 from gmlx_lab.book.run import execute
-
-CHECKED = "# NBVAL_CHECK_OUTPUT"
+from gmlx_lab.book.site import NBVAL_MARK as CHECKED
 
 
 def keep_checked(path: Path) -> int:
