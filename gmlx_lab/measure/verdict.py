@@ -484,51 +484,48 @@ SECOND_BUDGETS = (0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # its smallest shares a
 
 
 def summary(speeds: SpeedTable) -> list[str]:
-    """The README's verdict: five sentences read from the committed files, each naming where it comes from."""
+    """The README's verdict: five plain sentences read from the committed files, each naming where it comes from."""
     lead, second = load_verdict(LEAD_MODEL), load_verdict(SECOND_MODEL)
     safe, lost = floor_gap(floor_evidence(second))
-    out = [f"**The floor.** A cache is recommended only where it keeps the model: {floor_text()} against fp16, "
-           f"set in the gap on {second.model} between the last row clearly below any loss of passkey retrieval "
-           f"({safe.row.label} at {context_label(safe.row.context)}, mean KL {safe.row.interval(METRIC).text()}) "
-           f"and the first to lose it ({lost.row.label} at {context_label(lost.row.context)}, "
-           f"{lost.retrieval.estimate * lost.retrieval.n:.0f} of {lost.retrieval.n} keys against fp16's "
-           f"{lost.fp16.estimate * lost.fp16.n:.0f}) (`field-h200.json`, `{second.path.name}`)."]
+    safe_kl, lost_kl = safe.row.interval(METRIC).estimate, lost.row.interval(METRIC).estimate
+    out = [f"**Keep the model first.** A cache is recommended only where its mean KL against fp16 is at most "
+           f"{KEEP_KL:g} and its top-1 agreement at least {100 * KEEP_TOP1:.0f}%: on {second.model} every row inside "
+           f"that floor retrieved passkeys as fp16 does, and the first row to lose them ({lost.row.label} at "
+           f"{context_label(lost.row.context)}, {lost.retrieval.estimate * lost.retrieval.n:.0f} of "
+           f"{lost.retrieval.n} keys) sits {lost_kl / safe_kl:.0f}x above the last row clearly below it "
+           f"(`field-h200.json`, `{second.path.name}`)."]
     context = lead.contexts[-1]
-    picks = []
-    for budget in (0.5, 0.3):
-        rec = recommend(lead, budget, context, speeds)
-        if rec.pick is not None:
-            picks.append(f"under {100 * budget:.0f}% of fp16's bytes {rec.pick.label} ({100 * rec.pick.share:.0f}%, "
-                         f"mean KL {rec.pick.interval(METRIC).text()}, {rec.why})")
-        else:
-            picks.append(f"under {100 * budget:.0f}% nothing that fits keeps the model ({rec.raise_to})")
-    out.append(f"**A model whose every layer grows.** On {lead.model} at {context_label(context)} tokens, "
-               + "; ".join(picks) + f" (`{lead.path.name}`, eight passages, 95% intervals).")
+    half, third = recommend(lead, 0.5, context, speeds), recommend(lead, 0.3, context, speeds)
+    text = f"**A model whose every layer grows.** On {lead.model} at {context_label(context)} tokens, "
+    text += (f"{half.pick.label} keeps the model in {100 * half.pick.share:.0f}% of fp16's bytes (mean KL "
+             f"{half.pick.interval(METRIC).estimate:.2g})" if half.pick else "nothing under half of fp16's bytes "
+             "keeps the model")
+    text += ("; under 30% " + (f"{third.pick.label} does ({100 * third.pick.share:.0f}%)" if third.pick else
+                               f"every row that fits breaks it ({third.raise_to})"))
+    out.append(text + f" (`{lead.path.name}`, eight passages, 95% intervals).")
     smallest = [(c, recommend(lead, 1.0, c).smallest_kept) for c in lead.contexts]
-    shares = ", ".join(f"{100 * s:.0f}% of fp16's bytes at {context_label(c)}" for c, s in smallest if s)
+    shares = " and ".join(f"{100 * s:.0f}% of fp16's bytes at {context_label(c)}" for c, s in smallest if s)
     falls = len(smallest) > 1 and smallest[-1][1] < smallest[0][1]
     out.append(("**Longer contexts reach smaller caches.** " if falls else "**The smallest cache that keeps it.** ")
                + f"The smallest row that keeps {lead.model} stores {shares}"
-               + (": the fp16 sinks and tails are a fixed cost that a longer context spreads thinner." if falls
-                  else "."))
+               + (": the fp16 sinks and tails are a fixed cost a longer context spreads thinner." if falls else "."))
     at = second.contexts[-1]
     rows = [r for r in second.at(at) if r.scheme != BASELINE]
-    layers = rows[0].quantized_layers
-    out.append(f"**A model of sliding windows.** {second.model}'s policy quantizes {layers} layers (the sliding "
-               f"windows and the last layer stay fp16), so at {context_label(at)} no row stores less than "
-               f"{100 * min(r.share for r in rows):.0f}% of fp16's bytes and the smallest that keeps the model "
-               f"{100 * recommend(second, 1.0, at).smallest_kept:.0f}% (`{second.path.name}`).")
+    out.append(f"**A model of sliding windows saves less.** {second.model}'s policy keeps its sliding windows and "
+               f"last layer fp16 and quantizes {rows[0].quantized_layers} layers, so at {context_label(at)} no row "
+               f"stores less than {100 * min(r.share for r in rows):.0f}% of fp16's bytes "
+               f"(`{second.path.name}`).")
     cpu = [s for f in speeds.files if f.source.setting.startswith("CPU") for s in
            (f.of(r.label) for r in lead.at(lead.contexts[0]) if r.scheme != BASELINE) if s.measured]
     gpu = [s for f in speeds.files if f.source.setting == "GPU, batch 1" for s in
            (f.of(label) for label in ("kvarn4 tail=1024", "affine4 g64")) if s.measured]
-    text = "**Speed.** At batch 1 the quantized caches decode at "
+    text = "**Speed at batch 1.** The quantized caches decode at "
     if cpu:
-        text += (f"{min(s.ratio for s in cpu):.2f}-{max(s.ratio for s in cpu):.2f}x fp16's tokens/s on this "
-                 f"project's CPU (`{cpu[0].file}`; KIVI, TurboQuant and the float formats at the low end: they decode "
-                 "their whole cache every step)")
+        text += (f"{min(s.ratio for s in cpu):.2f}-{max(s.ratio for s in cpu):.2f}x fp16's tokens a second on this "
+                 f"project's CPU (`{cpu[0].file}`; KIVI, TurboQuant and the float formats slowest: they decode their "
+                 "whole cache every step)")
     if gpu:
-        text += ("; on the GPU " + ", ".join(f"{s.measured_as} at {s.ratio:.2f}x" for s in gpu)
+        text += ("; on the GPU " + " and ".join(f"{s.measured_as} at {s.ratio:.2f}x" for s in gpu)
                  + f" (`{gpu[0].file}`, {gpu[0].device})")
-    out.append(text + ". A quantized cache buys memory; docs/gpu-performance.md says where that memory buys speed.")
+    out.append(text + ". docs/gpu-performance.md says where the memory they save buys speed: more sequences at once.")
     return out

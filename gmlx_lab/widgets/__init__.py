@@ -26,7 +26,7 @@ from ..live import TEMPERATURE, LiveColumn, LiveCompare, quantized_tokens
 from ..models import BUNDLED_NAME, available_models, load
 from ..registry import BASELINE, SCHEMES, get_scheme
 from ..viz import figures
-from ..viz import tradeoff as tradeoff_viz
+from ..viz import tradeoff_figures as tradeoff_viz
 from ..viz.figures import scheme_color
 from ..viz.quant import outlier_ratio
 from ..viz.say import Say
