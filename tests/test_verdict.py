@@ -195,10 +195,11 @@ def test_recommend_takes_the_fewest_bytes_of_the_rows_as_good_as_the_best() -> N
     assert rec.pick.spec == "k3" and {r.spec for r in rec.tied} == {"k4", "k3", "j3"}
     assert rec.runner_up.spec == "j3"  # the runner-up is another scheme's best
     assert rec.comparison.winner is None and "fewest bytes of the 3 rows" in rec.text()
-    assert rec.cells()[-1] == "overlap: the fewest bytes of the 3 rows as good at this sample"
+    assert rec.cells()[-1][-1] == "overlap: fewest bytes of 3" and rec.cells()[-1][1] == "j3 (46%)"
     apart = recommend(results, 0.95, 1024)
     assert (apart.pick.spec, apart.runner_up.spec, apart.comparison.winner) == ("a8", "k4", "a8")
-    assert apart.cells()[-1] == "ahead" and apart.text().startswith("Under 95% of fp16's bytes at 1K tokens: use a8")
+    assert apart.cells()[-1][-1] == "ahead"
+    assert apart.text().startswith("Under 95% of fp16's bytes at 1K tokens: use a8")
     none = recommend(results, 0.4, 1024)
     assert none.pick is None and "no measured row fits" in none.text() and "45%" in none.text()
     assert standing(results, "k", 0.6, 1024).startswith("under 60% at 1K: k is the recommendation (k3")
@@ -207,7 +208,8 @@ def test_recommend_takes_the_fewest_bytes_of_the_rows_as_good_as_the_best() -> N
     with pytest.raises(ValueError, match="no z rows"):
         standing(results, "z", 0.6, 1024)
     alone = recommend(VerdictResults("m", rows[:3], []), 0.95, 1024)
-    assert alone.runner_up is None and alone.cells()[-1] == "the only scheme that keeps the model"
+    assert alone.runner_up is None and alone.cells() == [("95% at 1K", "a8 (90%)", *alone.cells()[0][2:5],
+                                                          "the only one that keeps it")]
     table = recommendation_table(recommendations(results, (0.95, 0.6), [1024]))
     assert table.splitlines()[1].split()[:4] == ["95%", "at", "1K", "a8"]
     with pytest.raises(ValueError, match="share of fp16"):
@@ -234,7 +236,7 @@ def test_a_row_under_the_quality_floor_is_never_recommended() -> None:
     assert not keeps_model(rows[2]) and not keeps_model(rows[3])  # KL too high; top-1 too low
     rec = recommend(results, 0.6, 1024)
     assert rec.pick is None and rec.broken.spec == "t4" and rec.smallest_kept == 0.9
-    assert rec.cells()[1] == "fits, but breaks" and rec.cells()[-1] == "raise the budget to 90%"
+    assert rec.cells() == [(*rec.cells()[0][:5], "fits, but breaks: raise to 90%")] and rec.cells()[0][1] == "t4 (50%)"
     assert "Fits, but breaks: raise the budget to 90%" in rec.text()
     assert "fits, but breaks" in markdown_table(results, (0.6,))
     only = recommend(VerdictResults("m", rows[:1] + rows[2:], []), 0.6, 1024)
@@ -319,7 +321,7 @@ def test_rows_below_the_kl_floor_are_alike_and_the_smaller_is_recommended() -> N
     assert on_gpu.kl_floor == FP16_KL_FLOOR and VerdictResults("m", rows, [{"machine": {"tag": "cpu"}}]).kl_floor == 0
     rec = recommend(on_gpu, 0.95, 1024)
     assert (rec.pick.spec, rec.runner_up.spec) == ("k8", "a8")  # both under the floor: fewer bytes first
-    assert rec.cells()[-1].startswith(f"both below {FP16_KL_FLOOR:g}") and rec.comparison.winner is None
+    assert rec.cells()[-1][-1].startswith("both < 1e-4") and rec.comparison.winner is None
     on_cpu = recommend(VerdictResults("m", rows, [{"machine": {"tag": "cpu"}}]), 0.95, 1024)
     assert (on_cpu.pick.spec, on_cpu.comparison.winner) == ("a8", "a8")  # float32: the small KL is read
 
@@ -397,7 +399,7 @@ def test_cli_verdict_prints_the_table_and_refuses_bad_budgets(capsys: pytest.Cap
 
     assert cli.main(["verdict", "--budgets", "0.9,0.6"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split()[:2] == ["budget", "recommended"] and "passages" in out
+    assert out.splitlines()[0].split()[:2] == ["budget", "recommended,"] and "passages" in out
     assert cli.main(["verdict", "--json"]) == 0
     first = json.loads(capsys.readouterr().out)[0]
     assert first["budget"] == 0.9 and "text" in first and "speed" in first

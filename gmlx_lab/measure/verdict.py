@@ -319,27 +319,31 @@ class Recommendation:
             return "only fp16 keeps the model at this context"
         return f"raise the budget to {math.ceil(100 * self.smallest_kept - 1e-9):.0f}%"
 
-    def cells(self) -> tuple[str, ...]:
-        """(budget, recommended, mean KL, top-1, decode speed, best other scheme, verdict) as short table cells."""
+    def cells(self) -> list[tuple[str, ...]]:
+        """Table lines as cells (budget, row (share), mean KL, top-1, speed, note): the recommended row (or the best
+        of those that fit but break the model), then the runner-up and how the two compare."""
         budget = f"{100 * self.budget:.0f}% at {context_label(self.context)}"
         if self.pick is None and self.broken is None:
-            return budget, "none fits", "", "", "", "", f"the smallest measured share is {100 * self.smallest:.0f}%"
+            return [(budget, "none fits", "", "", "", f"smallest share {100 * self.smallest:.0f}%")]
         if self.pick is None:
-            row = self.broken
-            return (budget, "fits, but breaks", row.interval(METRIC).text(), row.interval("top1").text(), "",
-                    f"{row.label} ({100 * row.share:.0f}%)", self.raise_to)
-        row = self.pick
-        speed = self.speed(row)
-        cells = (budget, f"{row.label} ({100 * row.share:.0f}%)", row.interval(METRIC).text(),
-                 row.interval("top1").text(), speed.short() if speed else "")
+            return [(budget, *self._row_cells(self.broken, speed=False),
+                     "fits, but breaks: " + self.raise_to.replace("raise the budget to", "raise to"))]
         if self.runner_up is None:
-            return *cells, "", "the only scheme that keeps the model"
-        other = f"{self.runner_up.label} ({100 * self.runner_up.share:.0f}%)"
+            return [(budget, *self._row_cells(self.pick), "the only one that keeps it")]
         said = self.comparison
-        if said.distinguishable:
-            return *cells, other, "ahead"
-        word = f"both below {self.kl_floor:g}" if said.below_floor else "overlap"
-        return *cells, other, f"{word}: {self.why}"
+        floor = f"{self.kl_floor:.0e}".replace("e-0", "e-")
+        word = ("ahead" if said.distinguishable else f"both < {floor}" if said.below_floor else "overlap")
+        if not said.distinguishable and len(self.tied) > 1:
+            smaller = any(r.share < self.pick.share for r in self.tied)
+            word += f": {'the faster' if smaller else 'fewest bytes'} of {len(self.tied)}"
+        return [(budget, *self._row_cells(self.pick), ""), ("", *self._row_cells(self.runner_up), word)]
+
+    def _row_cells(self, row: Row, speed: bool = True) -> tuple[str, ...]:
+        found = self.speed(row) if speed else None
+        top1 = row.interval("top1")
+        return (f"{row.label} ({100 * row.share:.0f}%)", row.interval(METRIC).text(),
+                f"{100 * top1.estimate:.0f}% [{100 * top1.low:.0f}, {100 * top1.high:.0f}]",
+                found.short() if found else "")
 
     def text(self) -> str:
         """The answer in a few sentences: what to use and why, or why nothing fits or keeps the model."""
@@ -425,13 +429,13 @@ def standing(results: VerdictResults, scheme: str, budget: float, context: int) 
 
 # -- tables -------------------------------------------------------------------------------------------------------
 
-TABLE_HEAD = ("budget", "recommended (share)", "mean KL", "top-1", "decode speed", "best other scheme (share)",
-              "95% intervals")
+TABLE_HEAD = ("budget", "recommended, runner-up", "mean KL [95%]", "top-1 [95%]", "speed", "runner-up")
 
 
 def recommendation_table(recs: list[Recommendation]) -> str:
-    """The recommendations as a plain-text table (what notebook 12 keeps and nbval checks)."""
-    cells = [TABLE_HEAD] + [r.cells() for r in recs]
+    """The recommendations as a plain-text table, two lines a budget (the recommended row with its share of fp16's
+    bytes, then the runner-up and how it compares): what notebook 12 keeps and nbval checks."""
+    cells = [TABLE_HEAD] + [line for r in recs for line in r.cells()]
     widths = [max(len(row[i]) for row in cells) for i in range(len(TABLE_HEAD))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 

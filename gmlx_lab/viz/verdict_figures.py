@@ -54,8 +54,9 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
     """Mean KL(fp16 || scheme) with its 95% band against stored bytes as a share of fp16's; a slider picks the context.
 
     One line a scheme (and tail), through its widths; fp16 is the dashed line at 100% (its KL is 0); dotted lines
-    mark the budgets of the recommendation table; a grey band marks the KL floor of rows computed in fp16
-    (`VerdictResults.kl_floor`). Each context is a frame, so the figure moves without a kernel.
+    mark the budgets of the recommendation table; a red dashed line the quality floor (`verdict.KEEP_KL`); a grey
+    band marks the KL floor of rows computed in fp16 (`VerdictResults.kl_floor`). Each context is a frame, so the
+    figure moves without a kernel.
     """
     contexts = results.contexts
     families = list(dict.fromkeys(_family(r) for r in results.rows if r.scheme != BASELINE))
@@ -77,6 +78,9 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
         fig.add_vline(x=100 * b, line={"color": "#999999", "dash": "dot", "width": 1},
                       annotation_text=f"budget {100 * b:.0f}%", annotation_position="top left",
                       annotation_font_size=9)
+    fig.add_hline(y=KEEP_KL, line={"color": "#d62728", "dash": "dash", "width": 1},
+                  annotation_text=f"quality floor: mean KL {KEEP_KL:g} (above it, rows are not recommended)",
+                  annotation_position="top left", annotation_font={"size": 10, "color": "#d62728"})
     if results.kl_floor:  # computed in fp16: below this KL the arithmetic, not the cache, moves the output
         fig.add_hrect(y0=min(values + [results.kl_floor]) / 2, y1=results.kl_floor, line_width=0,
                       fillcolor="#999999", opacity=0.15)
@@ -116,8 +120,10 @@ def floor_figure(evidence: list[Evidence]) -> go.Figure:
 
     fig = go.Figure([trace(kept, "retrieval as fp16's (intervals overlap)", "#2ca02c", "circle"),
                      trace(lost, "lost keys (Wilson intervals apart from fp16's)", "#d62728", "x")])
-    fig.add_vline(x=KEEP_KL, line={"color": "#444444", "dash": "dash"},
-                  annotation_text=f"floor: mean KL {KEEP_KL:g}", annotation_position="bottom left")
+    fig.add_vline(x=KEEP_KL, line={"color": "#444444", "dash": "dash"})
+    # an annotation on a log axis takes log10 of its position (a shape takes the value itself)
+    fig.add_annotation(x=math.log10(KEEP_KL), y=50, xanchor="right", showarrow=False, font={"size": 11},
+                       text=f"quality floor: mean KL {KEEP_KL:g} ")
     values = [e.row.interval(METRIC).estimate for e in evidence if e.row.interval(METRIC).estimate > 0]
     fig.update_layout(
         title="Where a cache starts to break: passkey retrieval against mean KL, one point a scheme and context",
