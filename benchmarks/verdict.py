@@ -55,6 +55,20 @@ def machine() -> dict[str, Any]:
             "blas_preload": os.environ.get("LD_PRELOAD", "")}
 
 
+def command(argv: list[str]) -> str:
+    """The command a run records: the one a person typed (a `--jobs` process records its parent's), its `--out`
+    written relative to the repository, so no results file names a path outside it."""
+    if os.environ.get("GMLX_RUN_COMMAND"):
+        return os.environ["GMLX_RUN_COMMAND"]
+    words = list(argv)
+    for i, word in enumerate(words[:-1]):
+        if word == "--out":
+            path = Path(words[i + 1]).resolve()
+            root = RESULTS.parent.parent
+            words[i + 1] = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+    return "python benchmarks/" + " ".join([Path(__file__).name, *words])
+
+
 def commit() -> str:
     """The tree that ran: GMLX_COMMIT where set (a copy of the tree without its .git, as on a GPU machine), else
     HEAD's short hash, with "-dirty" where tracked files other than results differed from it."""
@@ -129,7 +143,8 @@ def run_jobs(args: argparse.Namespace, out: Path, data: dict[str, Any], work: di
         part.unlink(missing_ok=True)
     procs = [subprocess.Popen([sys.executable, __file__, "--model", args.model, "--contexts", str(c),
                                "--decode", str(args.decode), "--count", str(args.count), "--schemes", ",".join(s),
-                               "--out", str(part)] + (["--memory-gb", str(args.memory_gb)] if args.memory_gb else []))
+                               "--out", str(part)] + (["--memory-gb", str(args.memory_gb)] if args.memory_gb else []),
+                              env={**os.environ, "GMLX_RUN_COMMAND": command(sys.argv[1:])})
              for (c, s), part in zip(pieces, parts)]
     print(f"{len(procs)} processes: " + "; ".join(f"{c} tokens x {len(s)} schemes" for c, s in pieces), flush=True)
 
@@ -194,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     name = getattr(model, "gmlx_name", None) or args.model
     out = Path(args.out) if args.out else RESULTS / f"verdict-{name}-{machine_tag()}.json"
     data = json.loads(out.read_text()) if out.exists() else {"model": name, "rows": []}
-    run = {"command": "python benchmarks/" + " ".join([Path(__file__).name, *sys.argv[1:]]), "commit": commit(),
+    run = {"command": command(sys.argv[1:]), "commit": commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine(), "method": METHOD.format(count=args.count, decode=args.decode),
            "decode": args.decode, "count": args.count}

@@ -16,6 +16,7 @@ from plotly.subplots import make_subplots
 from ..cache import window
 from ..cache.kvarn import records
 from ..cache.kvarn.records import region_tokens
+from ..measure.experiments import recall_counts
 from ..measure.sizes import LayerShape, layer_bytes
 from ..policy import Policy
 from ..registry import BASELINE, SCHEMES, get_scheme
@@ -667,11 +668,14 @@ def experiment_data(result: Any) -> dict[str, Any]:
 
 
 def passkey_heatmaps(result: Any, title: str | None = None, per_row: int = 4) -> go.Figure:
-    """One heatmap per scheme: passkey accuracy by needle depth (rows) and prompt length (columns); at most
-    `per_row` schemes side by side, so the figure fits a notebook's width (it takes the width it is given)."""
+    """One heatmap per scheme: keys recalled by needle depth (rows) and prompt length (columns), each cell as a count
+    (1/1, 0/1: a cell of one key is no percentage), each title the scheme's total count; at most `per_row` schemes
+    side by side, so the figure fits a notebook's width (it takes the width it is given)."""
     data = experiment_data(result)
     labels, lengths, depths = data["labels"], data["lengths"], data["depths"]
-    names = [f"{label}{' (baseline)' if label == BASELINE else ''}: {100 * data['accuracy'][label]:.0f}%"
+    per_cell = int(data.get("keys_per_cell", 1))
+    counts = recall_counts(data)  # counts, not shares: a cell of one key is found or not
+    names = [f"{label}{' (baseline)' if label == BASELINE else ''}: {counts[label][0]} of {counts[label][1]} keys"
              for label in labels]
     rows, cols = -(-len(labels) // per_row), min(len(labels), per_row)
     fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, horizontal_spacing=0.03,
@@ -681,8 +685,9 @@ def passkey_heatmaps(result: Any, title: str | None = None, per_row: int = 4) ->
         z = np.array(data["grids"][label], dtype=float)
         fig.add_heatmap(z=z, x=[str(n) for n in lengths], y=[f"{100 * d:.0f}%" for d in depths], row=row, col=col,
                         zmin=0, zmax=1, colorscale=ACCURACY_SCALE, showscale=i == len(labels) - 1,
-                        colorbar={"title": "recalled", "tickformat": ".0%"}, text=np.round(100 * z).astype(int),
-                        texttemplate="%{text}%", xgap=2, ygap=2,
+                        colorbar={"title": "recalled", "tickformat": ".0%"},
+                        text=[[f"{round(v * per_cell)}/{per_cell}" for v in line] for line in z],
+                        texttemplate="%{text}", xgap=2, ygap=2,
                         hovertemplate=f"{label}<br>%{{x}} tokens, needle at %{{y}}: %{{z:.0%}}<extra></extra>")
         fig.update_xaxes(title_text="prompt length (tokens)", type="category", row=row, col=col)
     for row in range(1, rows + 1):
