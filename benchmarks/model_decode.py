@@ -36,7 +36,9 @@ CUDA or not, and `ring-on` / `ring-off`, kvarn_decode's ring whatever the record
 of kernels/config.py, whose outputs are right).
 `--shape llama3-8b`: an mlx-lm `llama` with Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads of 128, FFN 14336, vocab 128256) and random float16 weights; `--weights 4` quantizes them with
-`nn.quantize` (group 64). Tokens are random ids. Without `--shape`, `--model` (the bundled model by default)
+`nn.quantize` (group 64); `--shape two-layers` keeps 8 query and 8 KV heads of 128 in two narrow layers, so a
+prompt chunk's attention is the real size while the CPU runs the rest quickly. Tokens are random ids; on the CPU the
+shaped model computes in float32. Without `--shape`, `--model` (the bundled model by default)
 runs on the text of gmlx_lab/data/eval_text.txt; on the CPU the model computes in float32.
 """
 
@@ -81,7 +83,12 @@ SHAPES = {"llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate
                             rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
           "tiny": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=128, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False)}  # the same code paths at a size the CPU runs in seconds
+                       tie_word_embeddings=False),  # the same code paths at a size the CPU runs in seconds
+          # two layers of Llama-3-8B's attention heads in a narrow model: a prompt chunk's scores as large as the
+          # real model's a layer, so prefill memory shows on the CPU
+          "two-layers": dict(hidden_size=1024, num_hidden_layers=2, intermediate_size=2048, num_attention_heads=8,
+                             num_key_value_heads=8, head_dim=128, vocab_size=1024, rope_theta=10000.0,
+                             rms_norm_eps=1e-5, tie_word_embeddings=False)}
 
 
 def git_commit() -> str:
@@ -104,10 +111,11 @@ def device_name() -> str:
 
 
 def shaped_model(shape: str, weight_bits: int, seed: int = 0) -> nn.Module:
-    """An mlx-lm llama with a named model's shapes and random float16 weights (quantized if weight_bits < 16)."""
+    """An mlx-lm llama with a named model's shapes and random float16 weights (float32 on the CPU; quantized if
+    weight_bits < 16)."""
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs(model_type="llama", **SHAPES[shape]))
-    model.set_dtype(mx.float16)
+    model.set_dtype(mx.float32 if active_backend() == "cpu" else mx.float16)
     if weight_bits < 16:
         nn.quantize(model, group_size=64, bits=weight_bits)
     mx.eval(model.parameters())

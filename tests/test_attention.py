@@ -3,7 +3,17 @@
 import mlx.core as mx
 import pytest
 
-from gmlx_lab.cache.attention import apply_mask, grouped_attention, merge_partials
+from gmlx_lab.cache import attention
+from gmlx_lab.cache.attention import (
+    KeySlice,
+    apply_mask,
+    fits_scratch,
+    grouped_attention,
+    merge_partials,
+    slice_mask,
+    slice_tokens,
+    sliced_attention,
+)
 
 
 @pytest.mark.parametrize("q_len, mask", [(1, None), (3, "causal")])
@@ -32,3 +42,63 @@ def test_mask_forms():
     assert apply_mask(scores, mx.ones((2, 3)))[0, 0].item() == 1
     with pytest.raises(ValueError, match="unknown mask"):
         apply_mask(scores, "window")
+
+
+def test_slice_masks_are_the_columns_of_the_whole_mask():
+    causal = apply_mask(mx.zeros((3, 10)), "causal") == 0  # 3 queries, the last aligned with key 9
+    for start, stop in ((0, 4), (4, 8), (8, 10)):
+        part = slice_mask("causal", start, stop, queries=3, total=10)
+        want = causal[:, start:stop]
+        assert (part is None and bool(want.all())) or bool(mx.array_equal(part, want))
+    array = mx.arange(30).reshape(1, 3, 10) % 2 == 0
+    assert mx.array_equal(slice_mask(array, 2, 5, 3, 10), array[..., 2:5])
+    assert slice_mask(None, 0, 4, 3, 10) is None
+    with pytest.raises(ValueError, match="unknown mask"):
+        slice_mask("window", 0, 4, 3, 10)
+
+
+def test_a_slice_holds_whole_blocks_within_the_scratch(monkeypatch):
+    queries = mx.zeros((2, 8, 512, 128))
+    tokens = slice_tokens(queries, kv_heads=2, head_dim=128, step=128)
+    per_key = 4 * 2 * (6 * 8 * 512 + 2 * 2 * 128)
+    assert tokens % 128 == 0 and tokens * per_key <= attention.SCRATCH_BYTES < (tokens + 128) * per_key
+    monkeypatch.setattr(attention, "SCRATCH_BYTES", 1)
+    assert slice_tokens(queries, 2, 128, step=128) == 128  # never less than one block
+
+
+def test_sliced_attention_holds_one_slice_of_scores_not_the_whole(monkeypatch):
+    """A 1024-token prompt chunk over 8192 keys with 32 MiB of scratch: peak memory stays near the scratch, far below
+    one copy of the whole chunk's float32 scores (128 MiB)."""
+    monkeypatch.setattr(attention, "SCRATCH_BYTES", 32 * 2**20)
+    mx.random.seed(2)
+    q, k, v = (mx.random.normal((1, 4, n, 128)) for n in (1024, 8192, 8192))
+    mx.eval(q, k, v)
+    tokens = slice_tokens(q, 4, 128)
+
+    def load(a):  # a copy of keys [a, a + tokens), as a decode makes one, read once `done` is computed
+        def read(done):
+            kv = [k[:, :, a:a + tokens], v[:, :, a:a + tokens]]
+            return tuple(x * 1 for x in (mx.depends(kv, done) if done else kv))
+        return read
+
+    slices = [KeySlice(a, min(a + tokens, 8192), load(a)) for a in range(0, 8192, tokens)]
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    out = sliced_attention(q, 0.088, "causal", slices)
+    mx.eval(out)
+    peak = mx.get_peak_memory() - start
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask="causal")
+    assert len(slices) >= 4 and float(mx.abs(out - ref).max()) < 1e-4
+    assert peak < 48 * 2**20, f"peak {peak / 2**20:.0f} MiB above the start"
+
+
+def test_sdpa_over_the_whole_fetch_is_kept_while_it_fits_the_scratch(monkeypatch):
+    """One query over 1024 keys fits; 512 queries over them do not on the CPU, where SDPA computes every score."""
+    keys = values = mx.zeros((1, 2, 1024, 64))
+    one, chunk = mx.zeros((1, 8, 1, 64)), mx.zeros((1, 8, 512, 64))
+    monkeypatch.setattr(attention, "SCRATCH_BYTES", 2**20 + 4 * 6 * 8 * 1024)  # K/V and one query's scores
+    assert fits_scratch(one, keys, values)
+    assert not fits_scratch(chunk, keys, values)
+    monkeypatch.setattr(attention, "SCRATCH_BYTES", 2**20 - 1)  # not even the decoded K/V
+    assert not fits_scratch(one, keys, values)

@@ -1,13 +1,21 @@
-"""Attention math the caches share: masks, grouped-query scores and outputs, and merging partial softmaxes.
+"""Attention math the caches share: masks, grouped-query scores and outputs, merging partial softmaxes, and
+attention a slice of keys at a time, so a long cache is never decoded whole.
 
 How mlx-lm models reach a cache's own `attend` is gmlx_lab/mlx_lm_hooks.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+
+# What attention may hold beside the cache: a cache whose decoded K/V (and, on the CPU, where SDPA is not fused, its
+# scores) would take more is decoded and attended a slice at a time, each slice's scores and decoded K/V within this
+# size, so a prompt chunk's transient memory stays near it whatever the context.
+SCRATCH_BYTES = 512 * 2**20
 
 
 def apply_mask(scores: mx.array, mask: Any) -> mx.array:
@@ -24,19 +32,24 @@ def apply_mask(scores: mx.array, mask: Any) -> mx.array:
     return scores + mask
 
 
-def grouped_scores(queries: mx.array, keys: mx.array, scale: float, mask: Any) -> mx.array:
-    """Masked float32 attention scores (B, Hkv, G, L, T) of queries (B, Hq, L, D) over keys (B, Hkv, T, D).
-
-    The Hq query heads are viewed as Hkv groups of G = Hq / Hkv, so each group shares
-    its KV head (grouped-query attention) without copying K.
-    """
+def group_queries(queries: mx.array, kv_heads: int, scale: float) -> mx.array:
+    """Queries (B, Hq, L, D) scaled and viewed as (B, Hkv, G, L, D): G = Hq / Hkv query heads share each KV head
+    (grouped-query attention), so K is never copied."""
     b, hq, length, d = queries.shape
-    hkv = keys.shape[1]
-    q = (queries * scale).reshape(b, hkv, hq // hkv, length, d)
-    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    return (queries * scale).reshape(b, kv_heads, hq // kv_heads, length, d)
+
+
+def masked_scores(grouped: mx.array, keys: mx.array, mask: Any) -> mx.array:
+    """Masked float32 scores (B, Hkv, G, L, T) of grouped queries (`group_queries`) over keys (B, Hkv, T, D)."""
+    scores = grouped @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
     if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
         mask = mx.expand_dims(mask, 2)
     return apply_mask(scores, mask).astype(mx.float32)
+
+
+def grouped_scores(queries: mx.array, keys: mx.array, scale: float, mask: Any) -> mx.array:
+    """Masked float32 attention scores (B, Hkv, G, L, T) of queries (B, Hq, L, D) over keys (B, Hkv, T, D)."""
+    return masked_scores(group_queries(queries, keys.shape[1], scale), keys, mask)
 
 
 def grouped_output(probs: mx.array, values: mx.array) -> mx.array:
@@ -68,3 +81,73 @@ def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> mx.array:
     for o, lse in parts:
         out = out + o * mx.exp(lse - total)[..., None].astype(o.dtype)
     return out
+
+
+@dataclass(frozen=True)
+class KeySlice:
+    """Keys [start, stop) of a cache in the order its `fetch` returns them, and how to read them: `load(after)`
+    gives their K and V (B, Hkv, stop - start, D) in the model's space, read from the stored arrays only once the
+    arrays `after` are computed (`mx.depends`), so MLX decodes one slice at a time, not every slice up front."""
+
+    start: int
+    stop: int
+    load: Callable[[list[mx.array]], tuple[mx.array, mx.array]]
+
+
+def fits_scratch(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether SDPA over the whole fetched K/V stays within SCRATCH_BYTES: the decoded K/V it reads, plus, on the
+    CPU (whose SDPA computes every score), the float32 scores of every query over every key (up to six copies)."""
+    b, hq, length, _ = queries.shape
+    _, kv_heads, total, _ = keys.shape
+    need = keys.dtype.size * b * kv_heads * total * (keys.shape[-1] + values.shape[-1])
+    if mx.default_device().type == mx.DeviceType.cpu:
+        need += 4 * 6 * b * hq * length * total
+    return need <= SCRATCH_BYTES
+
+
+def slice_tokens(queries: mx.array, kv_heads: int, head_dim: int, step: int = 1) -> int:
+    """How many keys one slice may hold within SCRATCH_BYTES for these queries (B, Hq, L, D): a multiple of `step`
+    (the cache's block), at least one step."""
+    b, hq, length, _ = queries.shape
+    # a key's share, float32: its scores (the product, the masked copy, the shift by the log-sum-exp, its exponent:
+    # up to six arrays of scores at once, measured with mx.get_peak_memory) and its decoded K and V
+    per_key = 4 * b * (6 * hq * length + 2 * kv_heads * head_dim)
+    return max(step, SCRATCH_BYTES // per_key // step * step)
+
+
+def slice_mask(mask: Any, start: int, stop: int, queries: int, total: int) -> Any:
+    """The columns [start, stop) of an mlx-lm mask over `total` keys for `queries` queries (None, "causal" aligned
+    to the last key as mlx's SDPA aligns it, or an array)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}; accepted: None, 'causal' or an array")
+        first = total - queries  # the first query's position
+        if stop <= first + 1:  # every key of the slice precedes every query
+            return None
+        return mx.arange(first, total)[:, None] >= mx.arange(start, stop)[None]
+    return mask[..., start:stop]
+
+
+def sliced_attention(queries: mx.array, scale: float, mask: Any, slices: list[KeySlice]) -> mx.array:
+    """Softmax attention over every slice's keys as one softmax, a slice at a time, each slice's share merged into a
+    running output by its log-sum-exp (as `merge_partials`): the result of SDPA over the keys concatenated, while
+    only one slice's decoded K/V and scores exist at once."""
+    b, hq, length, _ = queries.shape
+    total, dtype = slices[-1].stop, queries.dtype
+    grouped = out = lse = None
+    for piece in slices:
+        keys, values = piece.load([] if out is None else [out, lse])
+        keys, values = keys.astype(dtype), values.astype(dtype)
+        if grouped is None:
+            grouped = group_queries(queries, keys.shape[1], scale)  # once: every slice reads the same
+        scores = masked_scores(grouped, keys, slice_mask(mask, piece.start, piece.stop, length, total))
+        part_lse = mx.logsumexp(scores, axis=-1)
+        part = grouped_output(mx.exp(scores - part_lse[..., None]), values)
+        part_lse = part_lse.reshape(b, hq, length)
+        if out is None:
+            out, lse = part, part_lse
+        else:
+            out, lse = merge_partials([(out, lse), (part, part_lse)]), mx.logaddexp(lse, part_lse)
+    return out.astype(dtype)

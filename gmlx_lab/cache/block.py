@@ -52,6 +52,7 @@ to count them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -61,6 +62,7 @@ import numpy as np
 
 from ..registry import Option, Scheme, resolve_options
 from . import saved
+from .attention import KeySlice, fits_scratch, slice_tokens, sliced_attention
 from .base import GmlxCache
 from .buffers import KV, STORE_DTYPE, GrowingBuffer, array_bytes, fill_sink, keep_sink
 from .regions import block_regions, due_tokens
@@ -389,8 +391,55 @@ class BlockCache(BlockWindow, BlockRegions, GmlxCache):
         seen = stored if self.rotate_on_arrival else self.rotate(stored)  # as `_append_blocks` hands `encode`
         return self.unrotate(self._decode_blocks(self._encode_blocks(seen, kind), kind))
 
+    def key_slices(self, dtype: mx.Dtype, tokens: int) -> list[KeySlice]:
+        """The keys `fetch` returns, as slices of at most `tokens` (whole blocks) decoded only when read: the sink,
+        the body a few blocks at a time, the recent tokens."""
+        def read(x: mx.array, rotated: bool) -> mx.array:  # in `fetch`'s order: cast, then rotate back
+            if not rotated:
+                return x.astype(dtype)
+            return self.unrotate(x.astype(dtype)) if self.rotate_on_arrival else self.unrotate(x).astype(dtype)
+
+        def after(arrays: list[mx.array], done: list[mx.array]) -> list[mx.array]:
+            return list(mx.depends(arrays, done)) if done else arrays
+
+        def plain(kv: KV, n: int) -> Callable[[list[mx.array]], KV]:
+            return lambda done: KV(*(read(x, self.rotate_on_arrival) for x in after([y[:, :, :n] for y in kv], done)))
+
+        def blocks(i: int, j: int) -> Callable[[list[mx.array]], KV]:
+            def load(done: list[mx.array]) -> KV:
+                return KV(*(read(self._decode_blocks(tuple(after([p[:, :, i:j] for p in parts], done)), kind), True)
+                            for parts, kind in zip(self.body, "kv")))
+            return load
+
+        out, at = [], 0
+        if self.sink is not None and self.sink_count:
+            out.append(KeySlice(at, at + self.sink_count, plain(self.sink, self.sink_count)))
+            at += self.sink_count
+        per = max(1, tokens // self.block_tokens)
+        for i in range(0, self.n_blocks, per):
+            j = min(i + per, self.n_blocks)
+            out.append(KeySlice(at, at + (j - i) * self.block_tokens, blocks(i, j)))
+            at += (j - i) * self.block_tokens
+        if self.recent_count:
+            recent = KV(self.recent.k.data, self.recent.v.data)
+            out.append(KeySlice(at, at + self.recent_count, plain(recent, self.recent_count)))
+        return out
+
+    def sliced(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array | None:
+        """Attention a slice of the cache at a time (`sliced_attention`) where SDPA over the fetched K/V (lazy, never
+        read here) would not fit the scratch (`fits_scratch`), so no decoded copy of the whole cache is made; else
+        None."""
+        if fits_scratch(queries, keys, values):
+            return None
+        tokens = slice_tokens(queries, keys.shape[1], max(keys.shape[-1], values.shape[-1]), self.block_tokens)
+        return sliced_attention(queries, scale, mask, self.key_slices(queries.dtype, tokens))
+
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        """The reference attention: softmax over the fetched K/V (a scheme may attend from its codes instead)."""
+        """The reference attention: softmax over the fetched K/V while they fit one slice of scratch, else a slice
+        at a time (`sliced`). A scheme may attend from its codes instead."""
+        out = self.sliced(queries, keys, values, scale, mask)
+        if out is not None:
+            return out
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     # -- contract ---------------------------------------------------------------------------------------------------

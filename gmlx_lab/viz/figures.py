@@ -48,15 +48,17 @@ def _fig(**layout: Any) -> go.Figure:
     return fig
 
 
-def _baseline(fig: go.Figure, y: float, text: str, log: bool = False, **where: Any) -> None:
-    """A dotted horizontal baseline with its meaning written on it (`log`: the y axis is logarithmic)."""
+def _baseline(fig: go.Figure, y: float, text: str, log: bool = False, left: bool = False, **where: Any) -> None:
+    """A dotted horizontal baseline with its meaning written on it, at the right end (`left`: at the left end, where
+    the right holds marks of its own; `log`: the y axis is logarithmic)."""
     font = {"color": BASELINE_LINE["color"], "size": 11}
+    side = "left" if left else "right"
     if log:  # plotly places a log axis's annotations in log10 units
         fig.add_hline(y=y, line=BASELINE_LINE, **where)
-        fig.add_annotation(text=text, x=1, xref="paper", y=np.log10(y), yanchor="bottom", xanchor="right",
-                           showarrow=False, font=font, bgcolor=LABEL_BACKGROUND)
+        fig.add_annotation(text=text, x=0 if left else 1, xref="paper", y=np.log10(y), yanchor="bottom",
+                           xanchor=side, showarrow=False, font=font, bgcolor=LABEL_BACKGROUND)
         return
-    fig.add_hline(y=y, line=BASELINE_LINE, annotation_text=text, annotation_position="top right",
+    fig.add_hline(y=y, line=BASELINE_LINE, annotation_text=text, annotation_position=f"top {side}",
                   annotation_font=font, annotation_bgcolor=LABEL_BACKGROUND, **where)
 
 
@@ -286,7 +288,7 @@ def imbalance_figure(history: list[float], best: int, tol: float = 1e-3) -> go.F
                     line={"color": "#ff7f0e"}, hovertemplate="round %{x}: %{y:.3g}<extra></extra>")
     fig.add_scatter(x=[best], y=[h[best]], mode="markers", marker={"size": 14, "symbol": "star", "color": "#6a3d9a"},
                     name="kept", hovertemplate="kept: round %{x}, %{y:.3g}<extra></extra>")
-    _baseline(fig, 2.0, "2 = perfectly balanced", log=True)
+    _baseline(fig, 2.0, "2 = perfectly balanced", log=True, left=best > 0)  # not under the kept star
     fig.update_xaxes(dtick=1)
     return fig
 
@@ -378,17 +380,23 @@ def regions_stream(max_context: int, tail: int, step: int = 16) -> go.Figure:
 
 
 def window_stream(max_context: int, tail: int, max_kv_size: int, step: int = 16) -> go.Figure:
-    """A rolling window as tokens stream in: the regions held (stacked) stop at the window while records leave."""
+    """A rolling window as tokens stream in: above, the regions held (stacked) stop at the window; below, on its own
+    axis, the tokens dropped so far (they are not held), records leaving oldest first."""
     ctx = np.arange(0, max_context + 1, step)
     rows = [window.kvarn_regions(int(c), tail, max_kv_size) for c in ctx]
-    fig = _fig(title=f"a rolling window of {max_kv_size} tokens (kv_tail_tokens={tail}): the sink stays, "
-                     "records leave oldest first", xaxis_title="tokens so far", yaxis_title="tokens held", height=340)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.72, 0.28], vertical_spacing=0.06)
+    fig.update_layout(**{**_LAYOUT, "height": 400, "title": f"a rolling window of {max_kv_size} tokens "
+                                                             f"(kv_tail_tokens={tail}): the sink stays, records "
+                                                             "leave oldest first"})
     for name in ("sink", "body", "live", "tail"):
         fig.add_scatter(x=ctx, y=[r[name] for r in rows], stackgroup="one", name=REGION_NAMES[name],
-                        line={"color": REGION_COLORS[name], "width": 0.5})
+                        line={"color": REGION_COLORS[name], "width": 0.5}, row=1, col=1)
+    _baseline(fig, max_kv_size, "max_kv_size", row=1, col=1)
     fig.add_scatter(x=ctx, y=[r["dropped"] for r in rows], name="dropped (not held)", mode="lines",
-                    line={"color": "#555555", "dash": "dot"})
-    fig.add_hline(y=max_kv_size, line={"color": "#999999", "dash": "dash"}, annotation_text="max_kv_size")
+                    line={"color": "#555555"}, row=2, col=1)
+    fig.update_yaxes(title_text="tokens held", row=1, col=1)
+    fig.update_yaxes(title_text="dropped", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text="tokens so far", row=2, col=1)
     return fig
 
 

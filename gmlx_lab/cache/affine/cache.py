@@ -151,8 +151,13 @@ class AffineCache(KernelRoute, BlockCache):
         if route is not None:
             return affine_attend(queries, scale, mask, self._buffers(), self.held, self.bits, self.group_size,
                                  self.rotate_on_arrival, emulate=route == "emulated", counter=self._counter)
+        decoded = not self.quantized or self._decoded_block(queries)
+        if decoded:
+            out = self.sliced(queries, keys, values, scale, mask)  # a cache longer than a slice of scratch
+            if out is not None:
+                return out
         q = self.rotate(queries) if self.rotate_on_arrival else queries
-        if not self.quantized or self._decoded_block(queries):
+        if decoded:
             # fp16 rows; or a query block better served by the decoded codes, the very values quantized_matmul
             # would use (see _decoded_block)
             k, v = self.stored(self.held, q.dtype)

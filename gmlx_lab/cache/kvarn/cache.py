@@ -223,6 +223,9 @@ class KvarnCache(KernelRoute, BlockCache):
         route = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode")
         if route is not None:
             return kvarn_attend(queries, scale, mask, parts, emulate=route == "emulated", counter=self._counter)
+        out = self.sliced(queries, keys, values, scale, mask)  # a cache longer than a slice of scratch
+        if out is not None:
+            return out
         if self.body is None or self._unpacks():  # the fetched K/V: fp16 only, or one kvarn_unpack pass (GPU)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         return self._attend_by_region(queries, scale, mask)
