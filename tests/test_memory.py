@@ -54,3 +54,25 @@ def test_prefill_peak(llama):
     assert [r["step"] for r in rows] == [128, 512]
     assert all(r["peak"] > 0 for r in rows)
     assert rows[0]["above_start"] < rows[1]["above_start"]  # bigger chunks, bigger attention scores
+
+
+def test_a_quantized_prefill_holds_one_slice_of_attention_not_the_whole(monkeypatch):
+    """The bundled model, every layer quantized, 4096 tokens (its trained context) prefilled in chunks of 2048, with
+    32 MiB of attention scratch: kvarn (its own `attend`) and KIVI (the block base's) peak well below the fp16
+    cache, whose SDPA on the CPU holds every score of a chunk over every key, and no copy of the cache is decoded
+    whole."""
+    from gmlx_lab.cache import attention
+    from gmlx_lab.cli import load_model
+    from gmlx_lab.policy import policy
+
+    monkeypatch.setattr(attention, "SCRATCH_BYTES", 32 * 2**20)
+    model, _ = load_model(None)
+
+    def peak(scheme: str, **options) -> dict:
+        return prefill_peak(model, policy(model, scheme, quantize_last=True, **options), context=4096,
+                            steps=(2048,))[0]
+
+    fp16 = peak("fp16")
+    for scheme in ("kvarn", "kivi"):
+        row = peak(scheme, bits=4)
+        assert row["above_start"] < 0.6 * fp16["above_start"], (scheme, row["above_start"], fp16["above_start"])

@@ -392,8 +392,8 @@ class BlockCache(BlockWindow, BlockRegions, GmlxCache):
         return self.unrotate(self._decode_blocks(self._encode_blocks(seen, kind), kind))
 
     def key_slices(self, dtype: mx.Dtype, tokens: int) -> list[KeySlice]:
-        """The keys `fetch` returns, as slices of at most `tokens` (whole blocks) decoded only when read: the sink,
-        the body a few blocks at a time, the recent tokens."""
+        """The keys `fetch` returns, in its order, as slices of at most `tokens` decoded only when read: the fp16 sink
+        and recent tokens `tokens` at a time, the body in whole blocks."""
         def read(x: mx.array, rotated: bool) -> mx.array:  # in `fetch`'s order: cast, then rotate back
             if not rotated:
                 return x.astype(dtype)
@@ -402,8 +402,8 @@ class BlockCache(BlockWindow, BlockRegions, GmlxCache):
         def after(arrays: list[mx.array], done: list[mx.array]) -> list[mx.array]:
             return list(mx.depends(arrays, done)) if done else arrays
 
-        def plain(kv: KV, n: int) -> Callable[[list[mx.array]], KV]:
-            return lambda done: KV(*(read(x, self.rotate_on_arrival) for x in after([y[:, :, :n] for y in kv], done)))
+        def plain(kv: KV, a: int, b: int) -> Callable[[list[mx.array]], KV]:
+            return lambda done: KV(*(read(x, self.rotate_on_arrival) for x in after([y[:, :, a:b] for y in kv], done)))
 
         def blocks(i: int, j: int) -> Callable[[list[mx.array]], KV]:
             def load(done: list[mx.array]) -> KV:
@@ -412,17 +412,22 @@ class BlockCache(BlockWindow, BlockRegions, GmlxCache):
             return load
 
         out, at = [], 0
-        if self.sink is not None and self.sink_count:
-            out.append(KeySlice(at, at + self.sink_count, plain(self.sink, self.sink_count)))
-            at += self.sink_count
+
+        def fp16_tokens(kv: KV, n: int) -> None:  # an fp16 region, `tokens` at a time
+            nonlocal at
+            for a in range(0, n, tokens):
+                b = min(a + tokens, n)
+                out.append(KeySlice(at, at + b - a, plain(kv, a, b)))
+                at += b - a
+
+        if self.sink is not None:
+            fp16_tokens(self.sink, self.sink_count)
         per = max(1, tokens // self.block_tokens)
         for i in range(0, self.n_blocks, per):
             j = min(i + per, self.n_blocks)
             out.append(KeySlice(at, at + (j - i) * self.block_tokens, blocks(i, j)))
             at += (j - i) * self.block_tokens
-        if self.recent_count:
-            recent = KV(self.recent.k.data, self.recent.v.data)
-            out.append(KeySlice(at, at + self.recent_count, plain(recent, self.recent_count)))
+        fp16_tokens(KV(self.recent.k.data, self.recent.v.data), self.recent_count)
         return out
 
     def sliced(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array | None:
