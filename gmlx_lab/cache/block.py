@@ -91,7 +91,8 @@ def check_geometry(name: str, value: Any, where: str) -> None:
 
 
 class BlockRegions:
-    """What a block cache reports of its regions, for `BlockCache` (its sink, body, recent stores and rollback)."""
+    """What a block cache reports and reads of its regions, for `BlockCache` (its sink, body, recent stores and
+    rollback): their bytes and tokens, and attention over them a slice at a time."""
 
     def region_tokens(self) -> dict[str, int]:
         """How many tokens each region holds now."""
@@ -139,6 +140,54 @@ class BlockRegions:
         if self.rollback is not None:
             out += [("newest block's fp16 copy", kind, x) for kind, x in zip("KV", self.rollback)]
         return out
+
+    def key_slices(self, dtype: mx.Dtype, tokens: int) -> list[KeySlice]:
+        """The keys `fetch` returns, in its order, as slices of at most `tokens` decoded only when read: the fp16 sink
+        and recent tokens `tokens` at a time, the body in whole blocks."""
+        def read(x: mx.array, rotated: bool) -> mx.array:  # in `fetch`'s order: cast, then rotate back
+            if not rotated:
+                return x.astype(dtype)
+            return self.unrotate(x.astype(dtype)) if self.rotate_on_arrival else self.unrotate(x).astype(dtype)
+
+        def after(arrays: list[mx.array], done: list[mx.array]) -> list[mx.array]:
+            return list(mx.depends(arrays, done)) if done else arrays
+
+        def plain(kv: KV, a: int, b: int) -> Callable[[list[mx.array]], KV]:
+            return lambda done: KV(*(read(x, self.rotate_on_arrival) for x in after([y[:, :, a:b] for y in kv], done)))
+
+        def blocks(i: int, j: int) -> Callable[[list[mx.array]], KV]:
+            def load(done: list[mx.array]) -> KV:
+                return KV(*(read(self._decode_blocks(tuple(after([p[:, :, i:j] for p in parts], done)), kind), True)
+                            for parts, kind in zip(self.body, "kv")))
+            return load
+
+        out, at = [], 0
+
+        def fp16_tokens(kv: KV, n: int) -> None:  # an fp16 region, `tokens` at a time
+            nonlocal at
+            for a in range(0, n, tokens):
+                b = min(a + tokens, n)
+                out.append(KeySlice(at, at + b - a, plain(kv, a, b)))
+                at += b - a
+
+        if self.sink is not None:
+            fp16_tokens(self.sink, self.sink_count)
+        per = max(1, tokens // self.block_tokens)
+        for i in range(0, self.n_blocks, per):
+            j = min(i + per, self.n_blocks)
+            out.append(KeySlice(at, at + (j - i) * self.block_tokens, blocks(i, j)))
+            at += (j - i) * self.block_tokens
+        fp16_tokens(KV(self.recent.k.data, self.recent.v.data), self.recent_count)
+        return out
+
+    def sliced(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array | None:
+        """Attention a slice of the cache at a time (`sliced_attention`) where SDPA over the fetched K/V (lazy, never
+        read here) would not fit the scratch (`fits_scratch`), so no decoded copy of the whole cache is made; else
+        None."""
+        if fits_scratch(queries, keys, values):
+            return None
+        tokens = slice_tokens(queries, keys.shape[1], max(keys.shape[-1], values.shape[-1]), self.block_tokens)
+        return sliced_attention(queries, scale, mask, self.key_slices(queries.dtype, tokens))
 
 
 class BlockCache(BlockWindow, BlockRegions, GmlxCache):
@@ -390,54 +439,6 @@ class BlockCache(BlockWindow, BlockRegions, GmlxCache):
         stored = (self.rotate(x) if self.rotate_on_arrival else x).astype(STORE_DTYPE).astype(mx.float32)
         seen = stored if self.rotate_on_arrival else self.rotate(stored)  # as `_append_blocks` hands `encode`
         return self.unrotate(self._decode_blocks(self._encode_blocks(seen, kind), kind))
-
-    def key_slices(self, dtype: mx.Dtype, tokens: int) -> list[KeySlice]:
-        """The keys `fetch` returns, in its order, as slices of at most `tokens` decoded only when read: the fp16 sink
-        and recent tokens `tokens` at a time, the body in whole blocks."""
-        def read(x: mx.array, rotated: bool) -> mx.array:  # in `fetch`'s order: cast, then rotate back
-            if not rotated:
-                return x.astype(dtype)
-            return self.unrotate(x.astype(dtype)) if self.rotate_on_arrival else self.unrotate(x).astype(dtype)
-
-        def after(arrays: list[mx.array], done: list[mx.array]) -> list[mx.array]:
-            return list(mx.depends(arrays, done)) if done else arrays
-
-        def plain(kv: KV, a: int, b: int) -> Callable[[list[mx.array]], KV]:
-            return lambda done: KV(*(read(x, self.rotate_on_arrival) for x in after([y[:, :, a:b] for y in kv], done)))
-
-        def blocks(i: int, j: int) -> Callable[[list[mx.array]], KV]:
-            def load(done: list[mx.array]) -> KV:
-                return KV(*(read(self._decode_blocks(tuple(after([p[:, :, i:j] for p in parts], done)), kind), True)
-                            for parts, kind in zip(self.body, "kv")))
-            return load
-
-        out, at = [], 0
-
-        def fp16_tokens(kv: KV, n: int) -> None:  # an fp16 region, `tokens` at a time
-            nonlocal at
-            for a in range(0, n, tokens):
-                b = min(a + tokens, n)
-                out.append(KeySlice(at, at + b - a, plain(kv, a, b)))
-                at += b - a
-
-        if self.sink is not None:
-            fp16_tokens(self.sink, self.sink_count)
-        per = max(1, tokens // self.block_tokens)
-        for i in range(0, self.n_blocks, per):
-            j = min(i + per, self.n_blocks)
-            out.append(KeySlice(at, at + (j - i) * self.block_tokens, blocks(i, j)))
-            at += (j - i) * self.block_tokens
-        fp16_tokens(KV(self.recent.k.data, self.recent.v.data), self.recent_count)
-        return out
-
-    def sliced(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array | None:
-        """Attention a slice of the cache at a time (`sliced_attention`) where SDPA over the fetched K/V (lazy, never
-        read here) would not fit the scratch (`fits_scratch`), so no decoded copy of the whole cache is made; else
-        None."""
-        if fits_scratch(queries, keys, values):
-            return None
-        tokens = slice_tokens(queries, keys.shape[1], max(keys.shape[-1], values.shape[-1]), self.block_tokens)
-        return sliced_attention(queries, scale, mask, self.key_slices(queries.dtype, tokens))
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """The reference attention: softmax over the fetched K/V while they fit one slice of scratch, else a slice
