@@ -10,7 +10,7 @@ from gmlx_lab.measure import field
 from gmlx_lab.measure.tradeoff import versus
 from gmlx_lab.models import specimen
 from gmlx_lab.registry import SCHEMES
-from gmlx_lab.viz.field_figures import inline_labels
+from gmlx_lab.viz.field_figures import place_labels
 
 
 def test_the_plan_covers_every_registered_scheme_and_case() -> None:
@@ -93,15 +93,19 @@ def test_a_shared_prefill_is_refused_where_a_rolling_window_dropped_tokens() -> 
     assert field.shares_prefill(field.Case("gemma3-270m", "default", 4096))
 
 
-def test_crowded_labels_go_to_the_legend_and_free_ones_stay() -> None:
+def test_crowded_labels_move_onto_arrows_and_free_ones_stay_beside() -> None:
     crowded = [(50.0, 1e-2, "affine4 g64"), (50.2, 1.05e-2, "affine_rot4 g64"), (50.1, 0.98e-2, "mxfp4")]
-    assert inline_labels(crowded, [0, 108]) == {2}  # the lowest KL is placed first, it covers the other two
+    places = place_labels(crowded, [0, 108])
+    assert places[2] is None  # the lowest KL is placed first, beside its marker
+    assert places[0] is not None and places[1] is not None and places[0] != places[1]  # the others on arrows
     apart = [(10.0, 1e-3, "kvarn4 tail=128"), (80.0, 1e-1, "affine2 g64")]
-    assert inline_labels(apart, [0, 108]) == {0, 1}
+    assert place_labels(apart, [0, 108]) == {0: None, 1: None}
     rows = field.field_rows(viz.benchmark_results("field-h200.json"))
     fig = viz.field_kl_figure(field.case_rows(rows, "gemma3-270m", "default", 4096, "fidelity"))
     labels = [text for t in fig.data for text in t.text]
-    assert 0 < sum(bool(x) for x in labels) < len(labels)  # some labels beside their points, the rest on hover
+    arrows = [a for a in fig.layout.annotations if a.showarrow]
+    assert 0 < sum(bool(x) for x in labels) < len(labels)  # some labels beside their points
+    assert arrows and sum(bool(x) for x in labels) + len(arrows) <= len(labels)  # the others on arrows or hover
     assert fig.layout.showlegend and len(fig.data) == len({r["scheme"] for r in field.case_rows(
         rows, "gemma3-270m", "default", 4096, "fidelity") if r["scheme"] != "fp16"})  # one legend entry a scheme
 

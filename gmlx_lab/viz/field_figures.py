@@ -23,7 +23,7 @@ from ..specs import parse_scheme_spec, scheme_label
 from .figures import BASELINE_LINE, LABEL_BACKGROUND
 from .style import SYMBOLS, log_ticks, num, scheme_color, trace_styles, wrapped
 
-__all__ = ["SchemeIdea", "field_kl_figure", "inline_labels", "field_passkey_figure", "idea_figure", "scheme_idea"]
+__all__ = ["SchemeIdea", "field_kl_figure", "place_labels", "field_passkey_figure", "idea_figure", "scheme_idea"]
 
 _LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 70, "b": 50}}
 
@@ -110,12 +110,13 @@ def idea_figure(idea: SchemeIdea, height: int = 300) -> go.Figure:
     return fig
 
 
-def inline_labels(points: list[tuple[float, float, str]], x_range: list[float], width_px: float = 760,
-                  height_px: float = 360) -> set[int]:
-    """Which points (share %, KL, label) keep their label beside the marker: lowest KL first, a label that would
-    cover a marker or a label already placed is left to the legend and the hover (plot size in pixels, estimated)."""
+def place_labels(points: list[tuple[float, float, str]], x_range: list[float], width_px: float = 760,
+                 height_px: float = 360) -> dict[int, tuple[float, float] | None]:
+    """Where each point's (share %, KL, label) label goes, lowest KL first: None beside its marker, where it covers
+    no marker or label placed before; else an offset in pixels (right, up) to a free place, reached by an arrow;
+    a point missing from the answer has no free place within reach (its label is on hover). Plot size estimated."""
     if not points:
-        return set()
+        return {}
     logs = np.log10([kl for _, kl, _ in points])
     span = max(float(logs.max() - logs.min()), 1.0)
     x0, x1 = x_range
@@ -123,17 +124,34 @@ def inline_labels(points: list[tuple[float, float, str]], x_range: list[float], 
     def at(x: float, log_kl: float) -> tuple[float, float]:
         return (x - x0) / (x1 - x0) * width_px, (log_kl - logs.min()) / span * height_px * 0.9
 
+    def free(box: tuple[float, float, float, float], others: list[tuple[float, float, float, float]]) -> bool:
+        inside = 0 <= box[0] and box[2] <= width_px and -10 <= box[1] and box[3] <= height_px
+        return inside and all(box[2] <= t[0] or t[2] <= box[0] or box[3] <= t[1] or t[3] <= box[1] for t in others)
+
     centres = [at(x, lk) for (x, _, _), lk in zip(points, logs)]
     taken = [(cx - 6, cy - 6, cx + 6, cy + 6) for cx, cy in centres]  # the markers
-    named = set()
-    for i in sorted(range(len(points)), key=lambda i: points[i][1]):
+    places: dict[int, tuple[float, float] | None] = {}
+    order = sorted(range(len(points)), key=lambda i: points[i][1])
+    for i in order:  # beside the marker
         cx, cy = centres[i]
         box = (cx + 8, cy - 7, cx + 8 + 6.2 * len(points[i][2]), cy + 7)
-        others = [t for j, t in enumerate(taken) if j != i]
-        if all(box[2] <= t[0] or t[2] <= box[0] or box[3] <= t[1] or t[3] <= box[1] for t in others):
-            named.add(i)
+        if free(box, [t for j, t in enumerate(taken) if j != i]):
+            places[i] = None
             taken.append(box)
-    return named
+    for i in order:  # the rest: the nearest free place, centred on the arrow's end
+        if i in places:
+            continue
+        cx, cy = centres[i]
+        half = 3.1 * len(points[i][2])
+        tries = [(side * (half + reach), rise) for reach in (14, 40, 70) for rise in (0, 22, -22, 44, -44, 66, -66)
+                 for side in (1, -1)]
+        for dx, dy in tries:
+            box = (cx + dx - half, cy + dy - 7, cx + dx + half, cy + dy + 7)
+            if free(box, taken):
+                places[i] = (dx, dy)
+                taken.append(box)
+                break
+    return places
 
 
 def joined_label(labels: list[str]) -> str:
@@ -166,14 +184,15 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
     shares = [x for x, _ in points]
     x_range = [max(0.0, 10 * np.floor(min(shares, default=0) / 10) - 10), 108]
     labels = {key: joined_label([r["label"] for r in same]) for key, same in points.items()}
-    named = {list(points)[i] for i in inline_labels([(x, y, labels[(x, y)]) for x, y in points], x_range)}
+    keys = list(points)
+    places = place_labels([(x, y, labels[(x, y)]) for x, y in keys], x_range)
     fig = go.Figure()
     for i, family in enumerate(dict.fromkeys(r["scheme"] for r in drawn)):  # one legend entry a scheme
         mine = [key for key, same in points.items() if same[0]["scheme"] == family]
         color = scheme_color(points[mine[0]][0]["label"])
         fig.add_scatter(
             x=[x for x, _ in mine], y=[y for _, y in mine], mode="markers+text", name=family,
-            text=[labels[key] if key in named else "" for key in mine],
+            text=[labels[key] if keys.index(key) in places and places[keys.index(key)] is None else "" for key in mine],
             textposition=["middle left" if x > x_range[1] - 15 else "middle right" for x, _ in mine],  # the edge
             textfont={"size": 10, "color": color},
             marker={"size": 10, "symbol": SYMBOLS[i % len(SYMBOLS)], "color": color},
@@ -181,6 +200,12 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
                          f"{100 * points[key][0]['top1']:.1f}"] for key in mine],
             hovertemplate="%{customdata[0]}: %{x:.1f}% of fp16 (%{customdata[1]} B/token), KL %{y:.2e} nats, "
                           "top-1 %{customdata[2]}%<extra></extra>")
+        for key in mine:  # labels moved off a crowd, each on an arrow to its marker
+            place = places.get(keys.index(key))
+            if place is not None:
+                fig.add_annotation(x=key[0], y=float(np.log10(key[1])), text=html.escape(labels[key]),
+                                   ax=place[0], ay=-place[1], showarrow=True, arrowhead=0, arrowwidth=1,
+                                   arrowcolor=color, font={"size": 10, "color": color}, bgcolor=LABEL_BACKGROUND)
     fig.add_vline(x=100, line=BASELINE_LINE)
     fig.add_annotation(x=100, y=1, yref="paper", yanchor="bottom", xanchor="right", showarrow=False,
                        text="fp16 (KL 0)", font={"size": 11, "color": BASELINE_LINE["color"]},

@@ -73,23 +73,34 @@ def bytes_label(n: float) -> str:
 
 def growth_figure(curves: dict[str, tuple[list[int], list[float]]],
                   title: str = "KV cache size vs context") -> go.Figure:
-    """Lines of cache bytes against context, one per name: {name: (contexts, bytes)}.
+    """Lines of cache bytes against context, one per name: {name: (contexts, bytes)}, on log-log axes.
 
-    Names with exactly the same sizes share one line, named for all of them ("deepseek_v3 & kimi_k2 (same
-    sizes)"), so no line hides another.
+    Log-log, so a cache that grows with every token is a straight line and a fixed state or a window bends it:
+    on linear axes the families whose long contexts cost alike lie on one line. Names with exactly the same sizes
+    share one line, named for all of them ("deepseek_v3 & kimi_k2 (same sizes)"), so no line hides another.
+    Points of zero tokens or zero bytes have no place on log axes and are left out.
     """
-    fig = _fig(title=title, xaxis_title="context (tokens)", yaxis_title="cache (MiB)", height=420)
+    fig = _fig(title=title, xaxis_title="context (tokens, log scale)", yaxis_title="cache (MiB, log scale)",
+               height=420)
     groups: dict[tuple[tuple[float, ...], tuple[float, ...]], list[str]] = {}
     for name, (ctx, size) in curves.items():
         groups.setdefault((tuple(map(float, ctx)), tuple(map(float, size))), []).append(name)
     lines = {names[0] if len(names) == 1 else f"{' & '.join(names)} (same sizes)": curves[names[0]]
              for names in groups.values()}
     styles = trace_styles(lines)
+    drawn_x, drawn_y = [], []
     for name, (ctx, size) in lines.items():
         st = styles[name]
-        fig.add_scatter(x=ctx, y=np.asarray(size) / 2**20, mode="lines+markers", name=name,
+        kept = [(c, b / 2**20) for c, b in zip(ctx, size) if c > 0 and b > 0]
+        x, y = [c for c, _ in kept], [m for _, m in kept]
+        drawn_x += x
+        drawn_y += y
+        fig.add_scatter(x=x, y=y, mode="lines+markers", name=name,
                         line={"color": st["color"], "dash": st["dash"]}, marker={"symbol": st["symbol"]},
                         hovertemplate="%{x} tokens: %{y:.3g} MiB<extra>" + html.escape(name) + "</extra>")
+    if drawn_y:
+        fig.update_xaxes(type="log", **context_ticks(drawn_x))
+        fig.update_yaxes(type="log", **log_ticks(drawn_y))
     return fig
 
 

@@ -30,8 +30,9 @@ MAX_SUBTITLE_CHARS = 150  # the same for a <sup> line under it
 MAX_LEGEND = 12  # at most this many legend entries: beyond it, shades are told apart by hovering only
 OTHER_COLOR = "#444444"  # a label that names no registered scheme, where it stands alone
 # Labels that name no scheme (model families, layer kinds) take these in order, skipping the schemes' colours.
+# After the schemes' seven, seven remain: one hue each (a single green), so seven names never repeat a colour.
 CATEGORY_COLORS = ("#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e",
-                   "#17becf", "#7f7f7f", "#393b79", "#637939")
+                   "#17becf", "#7f7f7f", "#393b79", "#222222", "#e7ba52")
 REPEAT_DASHES = ("solid", "dot", "dashdot")  # a category colour's first, second and third use
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "pentagon")
 _KV_WORDS = {"k": "solid", "v": "dash"}
