@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 from ..measure.tradeoff import TradeoffPoint
 from ..registry import BASELINE
 from .figures import scheme_color
-from .style import context_ticks, log_ticks, shade, trace_styles
+from .style import context_ticks, log_ticks, num, shade, trace_styles
 
 __all__ = ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
 
@@ -71,7 +71,9 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
     Down and to the left is better; a point to the right of another family's line costs more memory for that
     family's fidelity. K and V at different widths (kvarn k8v4) are markers of their family's colour and marker,
     unjoined, labelled k8v4, at their true bytes per token. The x axis starts at 0, so a cache at 90% of fp16 looks
-    it. Points with KL exactly 0 other than fp16 (nothing quantized) cannot sit on a log axis: the title lists them.
+    it; where every point sits within a sixth of the axis (a model whose policy quantizes few layers), the axis
+    starts just below the points instead and its title says where, so the points do not pile up in one column.
+    Points with KL exactly 0 other than fp16 (nothing quantized) cannot sit on a log axis: the title lists them.
     """
     if not points:
         raise ValueError("tradeoff_figure needs at least one TradeoffPoint (from gmlx_lab.tradeoff.tradeoff_points)")
@@ -88,13 +90,18 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
     fig = go.Figure()
     kls = [p.kl for p in rest] or [1e-3]
     decades = [math.floor(math.log10(min(kls))) - 0.15, math.ceil(math.log10(max(kls))) + 0.4]  # a label each end
-    fig.update_layout(**LAYOUT, height=height, xaxis={"range": [0, 1.1 * widest]},
-                      yaxis={"type": "log", "dtick": 1, "exponentformat": "e", "range": decades},
-                      xaxis_title="cache per token of context (KiB)", yaxis_title="decode median KL vs fp16 (nats)",
-                      legend_title_text="scheme (width in bits)")
-    style = _family_styles(rest)
     xs = [p.bytes_per_token / 1024 for p in rest]
     crowded = bool(xs) and max(xs) - min(xs) < 0.15 * 1.1 * widest  # near-vertical lines: labels beside, not above
+    start = 0.0
+    if crowded:  # zoom to the points and fp16's line; the title says the axis does not start at 0
+        pad = max(0.1 * (widest - min(xs)), 0.02 * widest)
+        start = float(f"{min(xs) - pad:.2g}")
+    x_title = "cache per token of context (KiB)" + (f"; the axis starts at {num(start)} KiB, not 0" if start else "")
+    fig.update_layout(**LAYOUT, height=height, xaxis={"range": [start, widest + (widest - start) * 0.1]},
+                      yaxis={"type": "log", "dtick": 1, "exponentformat": "e", "range": decades},
+                      xaxis_title=x_title, yaxis_title="decode median KL vs fp16 (nats)",
+                      legend_title_text="scheme (width in bits)")
+    style = _family_styles(rest)
     for i, fam in enumerate(style):
         for split in (False, True):
             pts = sorted((p for p in rest if p.family == fam and p.split == split),
