@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -44,3 +45,29 @@ def test_a_your_turn_section_the_learner_edits(page: Path) -> None:
     edits_in_code = nxt[0] == "code" and nxt[1].startswith("# Your turn") and "try" in nxt[1]
     edits_listed = section.count("`") >= 6 and "- " in section
     assert edits_in_code or edits_listed, f"{page.name}: 'Your turn' needs a cell that says what to change ('# try')"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_the_your_turn_has_a_worked_answer_computed_in_the_run(page: Path) -> None:
+    """After the "Your turn" cell, an answer computed by the page's run (a code cell ending in `viz.answer(...)`,
+    which folds it under "Answer"), its code hidden as the page's other prose cells are."""
+    from gmlx_lab.book.site import source_hidden
+
+    cells = json.loads(page.read_text())["cells"]
+    at = next(i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and "## Your turn" in "".join(c["source"]))
+    def ends_in_answer(source: str) -> bool:
+        last = ast.parse(source).body[-1]
+        return isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) and \
+            ast.unparse(last.value.func) == "viz.answer"
+
+    answers = [c for c in cells[at + 1:at + 3] if c["cell_type"] == "code" and ends_in_answer("".join(c["source"]))]
+    assert answers, f"{page.name}: no worked answer (a code cell ending in viz.answer(...)) after 'Your turn'"
+    assert source_hidden(answers[0]), f"{page.name}: hide the answer cell's code (metadata.jupyter.source_hidden)"
+
+
+def test_an_answer_is_folded_under_its_summary() -> None:
+    from gmlx_lab import viz
+
+    text = viz.answer("first **paragraph**", "second").text
+    assert text.startswith("<details><summary><b>Answer</b>") and text.endswith("</details>")
+    assert "\n\nfirst **paragraph**\n\nsecond\n\n" in text  # blank lines: Markdown inside the HTML block renders

@@ -58,15 +58,16 @@ class Page:
 
 
 def writes_prose(source: str) -> bool:
-    """A code cell whose last statement is `viz.say(...)` and which displays nothing else: it writes the page's
-    text from measured values, so its code is folded (JupyterLab's `source_hidden`, a <details> in the book)."""
+    """A code cell whose last statement is `viz.say(...)` or `viz.answer(...)` and which displays nothing else: it
+    writes the page's text from measured values, so its code is folded (JupyterLab's `source_hidden`, a <details>
+    in the book)."""
     try:
         body = ast.parse(source).body
     except SyntaxError:
         return False
     last = body[-1] if body else None
     return (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
-            and ast.unparse(last.value.func) == "viz.say" and "display(" not in source)
+            and ast.unparse(last.value.func) in ("viz.say", "viz.answer") and "display(" not in source)
 
 
 def source_hidden(cell: dict[str, Any]) -> bool:

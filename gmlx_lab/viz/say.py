@@ -8,7 +8,7 @@ one is a code cell's output built from the computed value, so the text and the r
 
 from __future__ import annotations
 
-__all__ = ["Say", "say"]
+__all__ = ["Say", "answer", "say"]
 
 
 class Say:
@@ -29,3 +29,10 @@ class Say:
 def say(*paragraphs: str) -> Say:
     """Paragraphs of Markdown (already formatted from the run's values), shown as one output."""
     return Say("\n\n".join(paragraphs))
+
+
+def answer(*paragraphs: str) -> Say:
+    """A worked answer to a "Your turn" cell, computed in the run and folded (revealed on click), as the pages
+    fold their other answers."""
+    return Say("<details><summary><b>Answer</b> (click to open)</summary>\n\n" + "\n\n".join(paragraphs)
+               + "\n\n</details>")
