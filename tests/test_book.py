@@ -127,6 +127,12 @@ def test_each_page_is_titled_by_its_notebook(tmp_path: Path) -> None:
     assert "<title>03 · Records · gmlx_lab</title>" in written.read_text()
 
 
+def test_the_index_summary_reads_links_as_their_words(tmp_path: Path) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "# 04 · Sink\n\nThe [sink](13_glossary.ipynb#sink) and the **tail**, `fp16`.")])
+    assert site.Page(tmp_path / "04_sink.ipynb", nb, 1.0).summary == "The sink and the tail, fp16."
+
+
 def test_folded_code_sits_behind_details_in_the_book(tmp_path: Path) -> None:
     prose = nbformat.v4.new_code_cell("viz.say('a takeaway')", metadata={"jupyter": {"source_hidden": True}})
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 05 · Policy"), prose,

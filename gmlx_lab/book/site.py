@@ -51,9 +51,10 @@ class Page:
 
     @property
     def summary(self) -> str:
-        """The first paragraph under the title, as plain text."""
+        """The first paragraph under the title, as plain text (links as their words)."""
         paragraphs = self.nb.cells[0].source.split("\n\n")[1:] if self.nb.cells else []
         text = " ".join(paragraphs[0].split()) if paragraphs else ""
+        text = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", text)  # a link reads as its words in the index
         return re.sub(r"[*`]", "", text)
 
 
