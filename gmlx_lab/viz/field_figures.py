@@ -185,14 +185,15 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
     x_range = [max(0.0, 10 * np.floor(min(shares, default=0) / 10) - 10), 108]
     labels = {key: joined_label([r["label"] for r in same]) for key, same in points.items()}
     keys = list(points)
-    places = place_labels([(x, y, labels[(x, y)]) for x, y in keys], x_range)
+    placed = place_labels([(x, y, labels[(x, y)]) for x, y in keys], x_range)
+    places = {keys[i]: place for i, place in placed.items()}  # by point; a point missing has its label on hover
     fig = go.Figure()
     for i, family in enumerate(dict.fromkeys(r["scheme"] for r in drawn)):  # one legend entry a scheme
         mine = [key for key, same in points.items() if same[0]["scheme"] == family]
         color = scheme_color(points[mine[0]][0]["label"])
         fig.add_scatter(
             x=[x for x, _ in mine], y=[y for _, y in mine], mode="markers+text", name=family,
-            text=[labels[key] if keys.index(key) in places and places[keys.index(key)] is None else "" for key in mine],
+            text=[labels[key] if key in places and places[key] is None else "" for key in mine],
             textposition=["middle left" if x > x_range[1] - 15 else "middle right" for x, _ in mine],  # the edge
             textfont={"size": 10, "color": color},
             marker={"size": 10, "symbol": SYMBOLS[i % len(SYMBOLS)], "color": color},
@@ -201,7 +202,7 @@ def field_kl_figure(rows: list[dict[str, Any]], title: str | None = None, height
             hovertemplate="%{customdata[0]}: %{x:.1f}% of fp16 (%{customdata[1]} B/token), KL %{y:.2e} nats, "
                           "top-1 %{customdata[2]}%<extra></extra>")
         for key in mine:  # labels moved off a crowd, each on an arrow to its marker
-            place = places.get(keys.index(key))
+            place = places.get(key)
             if place is not None:
                 fig.add_annotation(x=key[0], y=float(np.log10(key[1])), text=html.escape(labels[key]),
                                    ax=place[0], ay=-place[1], showarrow=True, arrowhead=0, arrowwidth=1,
