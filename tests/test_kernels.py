@@ -20,6 +20,7 @@ from conftest import random_kv
 
 from gmlx_lab.cache.affine.cache import AffineCache, AffineRotCache
 from gmlx_lab.cache.attention import grouped_attention
+from gmlx_lab.cache.kivi import KiviCache
 from gmlx_lab.cache.kvarn.cache import KvarnCache
 from gmlx_lab.cache.kvarn.records import decode_tiles, decode_tokens, encode_tokens, unpack_rows
 from gmlx_lab.kernels import (
@@ -562,6 +563,61 @@ def test_affine_fused_rotated_and_split_counts() -> None:
         ko, kl = affine_partials(qg, 128**-0.5, kp, vp, c.offset, 4, 64, 1, False, per_split=per)
         eo, el = affine_partials(qg, 128**-0.5, kp, vp, c.offset, 4, 64, 1, False, per_split=per, emulate=True)
         assert _rel(ko, eo) < EMU_TOL and mx.allclose(kl, el, rtol=EMU_TOL, atol=EMU_TOL).item()
+
+
+# KIVI through affine_decode's per-channel K layout: K and V widths, head dim, query tokens, sink, tail, tokens
+KIVI_CASES = [(4, 4, 128, 1, 0, 128, 1000), (2, 3, 64, 1, 4, 128, 700), (3, 5, 128, 3, 0, 0, 600),
+              (8, 2, 128, 2, 4, 32, 333), (6, 8, 256, 4, 0, 128, 2100)]
+
+
+def _kivi_cache(kb: int, vb: int, d: int, sink: int, tail: int, tokens: int, seed: int) -> KiviCache:
+    c = KiviCache(k_bits=kb, v_bits=vb, sink_tokens=sink, kv_tail_tokens=tail)
+    k, v = random_kv(tokens, 2, d, seed=seed)
+    c.update_and_fetch(k, v)
+    return c
+
+
+@pytest.mark.parametrize("case", KIVI_CASES)
+def test_kivi_emulated_matches_reference(case: tuple[int, ...]) -> None:
+    """The kernel's algorithm in MLX (codes times scales channel by channel, the fp16 tokens merged by log-sum-exp)
+    gives the reference attention over the fetched K/V, which rounds the decoded values to fp16."""
+    kb, vb, d, lq, sink, tail, tokens = case
+    c = _kivi_cache(kb, vb, d, sink, tail, tokens, seed=kb)
+    k, v = random_kv(lq, 2, d, seed=99)
+    keys, values = c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 4, lq, d))
+    mask = "causal" if lq > 1 else None
+    c.attention_path = "reference"
+    ref = c.attend(q, keys, values, d**-0.5, mask)
+    c.attention_path = "emulated"
+    assert c.n_blocks > 0 and _rel(c.attend(q, keys, values, d**-0.5, mask), ref) < 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("case", KIVI_CASES)
+def test_kivi_fused_matches_emulation(case: tuple[int, ...]) -> None:
+    kb, vb, d, lq, sink, tail, tokens = case
+    c = _kivi_cache(kb, vb, d, sink, tail, tokens, seed=kb + 1)
+    k, v = random_kv(lq, 2, d, seed=98)
+    keys, values = c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 8, lq, d)).astype(mx.float16)
+    mask = "causal" if lq > 1 else None
+    c.attention_path = "emulated"
+    want = c.attend(q, keys, values, d**-0.5, mask)
+    c.attention_path = "fused"
+    got = c.attend(q, keys, values, d**-0.5, mask)
+    assert got.dtype == q.dtype and _rel(got, want) < KERNEL_TOL
+
+
+def test_kivi_attends_from_its_codes_only_where_it_has_blocks() -> None:
+    """Before its first block a KIVI cache is all fp16, and the fused route steps aside for the reference."""
+    c = _kivi_cache(4, 4, 128, 0, 128, 100, seed=3)
+    keys, values = c.update_and_fetch(*random_kv(1, 2, 128, seed=4))
+    q = mx.random.normal((1, 4, 1, 128))
+    c.attention_path = "emulated"
+    out = c.attend(q, keys, values, 128**-0.5, None)
+    c.attention_path = "reference"
+    assert c.n_blocks == 0 and mx.allclose(out, c.attend(q, keys, values, 128**-0.5, None)).item()
 
 
 @gpu

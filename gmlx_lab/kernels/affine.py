@@ -47,8 +47,10 @@ class AffinePlan(NamedTuple):
     nsplit: int
     qb: int  # query vectors per threadgroup
     nchunk: int
-    bits: int
-    group_size: int
+    bits: int  # K's code width
+    vbits: int  # V's
+    kchan: bool  # K per channel over blocks of 32 tokens (KIVI), not per token
+    group_size: int  # V's values a scale (and K's, per token)
     length: int  # query tokens
     causal: bool
     rotate: bool  # a rotated cache: the merged output is rotated back
@@ -56,23 +58,26 @@ class AffinePlan(NamedTuple):
 
 
 def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: int, length: int, causal: bool,
-                per_split: int | None = None, rotate: bool = False) -> AffinePlan:
+                per_split: int | None = None, rotate: bool = False, vbits: int | None = None, kchan: bool = False,
+                merge: bool | None = None) -> AffinePlan:
     """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads:
     splits of `per_split` tiles, else of at least AFFINE_MIN_TILES tiles, more where that still leaves
-    TARGET_GROUPS threadgroups."""
-    return _affine_plan(nq, bh, -(-tokens // 128), bits, group_size, length, causal, per_split, rotate,
-                        affine_qb_max(d), kernel_merges())
+    TARGET_GROUPS threadgroups. `bits` is K's width (and V's, unless `vbits`); `kchan`: KIVI's K layout;
+    `merge`: whether the kernel merges its splits (by default where it can, `kernel_merges`)."""
+    merge = kernel_merges() if merge is None else merge
+    return _affine_plan(nq, bh, -(-tokens // 128), bits, vbits or bits, kchan, group_size, length, causal, per_split,
+                        rotate, affine_qb_max(d), merge)
 
 
 @lru_cache(maxsize=256)
-def _affine_plan(nq: int, bh: int, tiles: int, bits: int, group_size: int, length: int, causal: bool,
-                 per_split: int | None, rotate: bool, qb_max: int, merge: bool) -> AffinePlan:
+def _affine_plan(nq: int, bh: int, tiles: int, bits: int, vbits: int, kchan: bool, group_size: int, length: int,
+                 causal: bool, per_split: int | None, rotate: bool, qb_max: int, merge: bool) -> AffinePlan:
     """affine_plan's arithmetic, once per geometry (the layers of a decode step repeat it; it moves every 128
     tokens)."""
     qb, nchunk = chunks(nq, qb_max)
     per_tiles = per_split or min(tiles, max(AFFINE_MIN_TILES, split_size(tiles, bh * nchunk)))
-    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, group_size, length, causal, rotate,
-                      merge)
+    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, vbits, kchan, group_size, length,
+                      causal, rotate, merge)
 
 
 def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
@@ -96,38 +101,48 @@ def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], 
          "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype),
          "counter_out": ((counter.size,) if plan.merge else (1,), mx.uint32)},
         grid=(128, plan.nsplit, bh * plan.nchunk), threadgroup=(128, 1, 1),
-        template={"BITS": plan.bits, "GS": plan.group_size, "D": d, "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk,
-                  "L": plan.length, "MERGE": int(plan.merge), "ROTATE": int(plan.rotate), "QDT": DTYPE_IDS[qg.dtype]},
+        template={"KBITS": plan.bits, "VBITS": plan.vbits, "KCHAN": int(plan.kchan), "GS": plan.group_size, "D": d,
+                  "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk, "L": plan.length, "MERGE": int(plan.merge),
+                  "ROTATE": int(plan.rotate), "QDT": DTYPE_IDS[qg.dtype]},
     ))
 
 
 def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: list[mx.array], tokens: int,
                     bits: int, group_size: int, length: int, causal: bool, per_split: int | None = None,
-                    emulate: bool = False) -> tuple[mx.array, mx.array]:
-    """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...)."""
+                    emulate: bool = False, vbits: int | None = None, kchan: bool = False) -> tuple[mx.array, mx.array]:
+    """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...); with `kchan`,
+    K in KIVI's blocks (B, Hkv, CAP/32, D, ...)."""
     bh, nq, d = qg.shape
-    plan = affine_plan(nq, d, bh, tokens, bits, group_size, length, causal, per_split)
+    plan = affine_plan(nq, d, bh, tokens, bits, group_size, length, causal, per_split, vbits=vbits, kchan=kchan,
+                       merge=False)
     if emulate:
-        return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, bits, group_size, length,
-                                causal, plan.per)
+        return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, plan, d)
     part_o, part_lse, *_ = affine_split_kernel(plan, qg, kparts, vparts,
-                                               *affine_params(plan, tokens, kparts[0].shape[2], scale),
+                                               *affine_params(plan, tokens, vparts[0].shape[2], scale),
                                                mx.zeros((bh * plan.nchunk,), mx.uint32))
     return part_o, part_lse
 
 
-def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, bits: int,
-                     gs: int, length: int, causal: bool, per: int) -> tuple[mx.array, mx.array]:
-    """The affine_decode threadgroup algorithm in MLX: per 128-token tile, scale * (q . codes) + bias * sum(q);
-    values as (p * scale) . codes + sum(p * bias) per group."""
-    bh, nq, d = qg.shape
+def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, plan: AffinePlan,
+                     d: int) -> tuple[mx.array, mx.array]:
+    """The affine_decode threadgroup algorithm in MLX: per 128-token tile, scale * (q . codes) + bias * sum(q) (KIVI's
+    K: q . (code * scale + bias), channel by channel); values as (p * scale) . codes + sum(p * bias) per group."""
+    bh, nq, _ = qg.shape
+    gs, length, per = plan.group_size, plan.length, plan.per
     ng = d // gs
-    kw, ksc, kbi = (flat(p)[:, :tokens] for p in kparts)
     vw, vsc, vbi = (flat(p)[:, :tokens] for p in vparts)
-    kcode = _unpack_affine(kw, bits, d)  # (BH, T, D)
-    vcode = _unpack_affine(vw, bits, d)
+    vcode = _unpack_affine(vw, plan.vbits, d)
     qgrp = qg.reshape(bh, nq, ng, gs)
     qsum = qgrp.sum(axis=-1)
+    if plan.kchan:  # KIVI: each block's (D, 32) codes, scaled per channel, as (BH, T, D) key values
+        kw, ksc, kbi = (flat(p) for p in kparts)
+        blocks = -(-tokens // 32)
+        codes = _unpack_affine(kw[:, :blocks], plan.bits, 32)  # (BH, blocks, D, 32)
+        keys = codes * ksc[:, :blocks].astype(mx.float32) + kbi[:, :blocks].astype(mx.float32)
+        keys = keys.swapaxes(-1, -2).reshape(bh, blocks * 32, d)[:, :tokens]
+    else:
+        kw, ksc, kbi = (flat(p)[:, :tokens] for p in kparts)
+        kcode = _unpack_affine(kw, plan.bits, d)  # (BH, T, D)
     qtok = mx.arange(nq) % length
     outs, lses = [], []
     for t_begin in range(0, tokens, per):
@@ -136,11 +151,14 @@ def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array
         acc = mx.zeros((bh, nq, ng, gs))
         for t0 in range(t_begin, min(tokens, t_begin + per), 128):
             t1 = min(tokens, t_begin + per, t0 + 128)
-            kq = kcode[:, t0:t1].reshape(bh, t1 - t0, ng, gs)
-            dq = mx.einsum("bjge,btge->bjtg", qgrp, kq)
-            score = (ksc[:, None, t0:t1].astype(mx.float32) * dq
-                     + kbi[:, None, t0:t1].astype(mx.float32) * qsum[:, :, None]).sum(axis=-1)
-            if causal:
+            if plan.kchan:
+                score = mx.einsum("bjd,btd->bjt", qg, keys[:, t0:t1])
+            else:
+                kq = kcode[:, t0:t1].reshape(bh, t1 - t0, ng, gs)
+                dq = mx.einsum("bjge,btge->bjtg", qgrp, kq)
+                score = (ksc[:, None, t0:t1].astype(mx.float32) * dq
+                         + kbi[:, None, t0:t1].astype(mx.float32) * qsum[:, :, None]).sum(axis=-1)
+            if plan.causal:
                 hidden = mx.arange(t0, t1)[None, :] > (tokens - length + qtok)[:, None]
                 score = mx.where(hidden[None], NEG_INF, score)
             m_new = mx.maximum(m, score.max(axis=-1))

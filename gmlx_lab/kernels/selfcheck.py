@@ -21,6 +21,7 @@ from ..cache.kvarn.records import KvarnParts, decode_tokens, encode_tokens, unpa
 from . import config
 from .affine import affine_attend, affine_partials
 from .build import active_backend, forget_kernels, kernel_backend
+from .kivi import kivi_attend
 from .kvarn import kvarn_attend, kvarn_partials, kvarn_tokens, seal_records, unpack_records
 from .splits import group_queries, merge_splits
 
@@ -82,7 +83,20 @@ def _check_affine_decode() -> float:
                                            emulate=True), emulate=True)
     routed = affine_attend(q, 0.09, None, parts, 300, 4, 64, rotate=True)
     want = affine_attend(q, 0.09, None, parts, 300, 4, 64, rotate=True, emulate=True)
-    return max(_relative(out, ref), _relative(routed, want))
+    return max(_relative(out, ref), _relative(routed, want), _check_kivi_layout())
+
+
+def _check_kivi_layout() -> float:
+    """KIVI's K layout (per channel over 32-token blocks, 3-bit codes crossing words) with 2-bit V, two query tokens
+    and an fp16 tokens' attention to merge, as KiviCache attends, against the emulation."""
+    mx.random.seed(14)
+    k, v = (mx.random.normal((1, 2, 9, 32, 128)).astype(mx.float16) for _ in range(2))
+    kparts = list(mx.quantize(mx.contiguous(k.swapaxes(-1, -2)), group_size=32, bits=3))
+    vparts = list(mx.quantize(v, group_size=32, bits=2))
+    q = mx.random.normal((1, 4, 2, 128)).astype(mx.float16)
+    fp16 = mx.random.normal((1, 4, 2, 128)), mx.random.normal((1, 4, 2)) + 3.0  # attention over fp16 tokens, its lse
+    run = [kivi_attend(q, 0.09, [kparts, vparts], 9, fp16, (3, 2), emulate=e) for e in (False, True)]
+    return _relative(*run)
 
 
 def _check_kvarn_seal() -> float:
