@@ -7,7 +7,7 @@ the block's 32 tokens share them), and V, whose errors average out over the atte
 offsets fp16. The block base keeps the newest `kv_tail_tokens` tokens (default 128, as HF transformers'
 `residual_length`) and the block being filled in fp16, and derives the byte formula, the policy rule and the
 audit from the class; the registry entry names the label. On a GPU a decode step attends from the codes
-(kernels/kivi.py: affine_decode in KIVI's K layout, the fp16 tokens beside it), with no decoded copy; the CPU takes
+(kernels/blocks.py: affine_decode in KIVI's K layout, the fp16 tokens beside it), with no decoded copy; the CPU takes
 the base's reference path. Notebook 09 builds its own `my_kivi` to teach the block base. What it rotates, scales
 and keeps fp16, and its bytes per token: docs/field.md.
 """
@@ -18,9 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import affine_supported, kivi_attend
+from ..kernels import affine_supported, block_partials, merge_fp16
 from ..registry import Option, register_scheme
-from .attention import grouped_attention
 from .block import BlockCache, BlockScheme
 from .buffers import STORE_DTYPE
 from .kernel_route import KernelRoute
@@ -36,7 +35,7 @@ class KiviCache(KernelRoute, BlockCache):
     scheme = "kivi"
     block_tokens = 32  # the tokens a K channel's scale and offset span (KIVI's group size)
     body_step = 8  # the blocks' buffers grow 256 tokens at a time, as mlx-lm's caches do: a step writes in place
-    KERNELS = ("affine_decode",)  # in its per-channel K layout (kernels/kivi.py)
+    KERNELS = ("affine_decode",)  # in its per-channel K layout (kernels/blocks.py)
     OPTIONS = (
         *width_options(2, KIVI_BITS),
         Option("kv_tail_tokens", 128, "newest tokens kept fp16 (HF's residual_length)"),
@@ -61,26 +60,16 @@ class KiviCache(KernelRoute, BlockCache):
         return mx.dequantize(codes, scales, biases, group_size=V_GROUP, bits=self.v_bits).astype(mx.float32)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        """From the codes on a GPU (the fused kernel over the blocks, the fp16 sink and recent tokens beside it);
-        elsewhere, or before the first block, the reference path over the fetched K/V."""
+        """From the codes on a GPU (the fused kernel over the blocks, merged with the fp16 sink and recent tokens'
+        attention); elsewhere, or before the first block, the reference path over the fetched K/V."""
         route = self.kernel_route(self.n_blocks > 0 and affine_supported(queries, mask), "affine_decode")
         if route is None:
             return super().attend(queries, keys, values, scale, mask)
+        emulate = route == "emulated"
         body = [[b.data for b in bufs] for bufs in self.body_buffers]
-        fp16 = self.fp16_tokens()
-        recent = None if fp16 is None else grouped_attention(queries.astype(mx.float32), *fp16, scale, mask)
-        return kivi_attend(queries, scale, body, self.n_blocks, recent, (self.k_bits, self.v_bits),
-                           emulate=route == "emulated")
-
-    def fp16_tokens(self) -> tuple[mx.array, mx.array] | None:
-        """The sink and recent tokens' K and V (B, H, n, D), oldest first, or None where there are none."""
-        pieces = [self.sink] if self.sink is not None else []
-        if self.recent_count:
-            pieces.append((self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count)))
-        if not pieces:
-            return None
-        k, v = [p[0] for p in pieces], [p[1] for p in pieces]
-        return tuple(x[0] if len(x) == 1 else mx.concatenate(x, axis=2) for x in (k, v))
+        parts = block_partials(queries, scale, body, self.n_blocks, (self.k_bits, self.v_bits), V_GROUP, kchan=True,
+                               emulate=emulate)
+        return merge_fp16(*parts, self.fp16_attention(queries, scale, mask), queries.shape, queries.dtype, emulate)
 
 
 class KiviScheme(BlockScheme):

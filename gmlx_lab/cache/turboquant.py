@@ -15,6 +15,10 @@ estimate of the true score (tests/test_field_schemes.py checks the mean over see
 Codes are packed to their width into uint32 words (`pack_bits`), norms fp16: d * bits / 8 + 2 bytes per
 vector, and d / 8 + 2 more for K's QJL signs and residual norm.
 
+On a GPU a decode step attends from the codes (kernels/blocks.py: affine_decode reading each code's codebook
+value times the token's norm): the queries are rotated once into the blocks' space and the blocks' share of the
+output rotated back, then merged with the fp16 tokens' attention. With `qjl=1` it takes the reference path.
+
 vLLM's presets in this lab's spec grammar: turboquant_k8v4 -> `turboquant:k8v4`, turboquant_4bit_nc ->
 `turboquant4`, turboquant_k3v4_nc (3.5 bits a value) -> `turboquant:k3v4`, turboquant_3bit_nc -> `turboquant3`.
 What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
@@ -29,9 +33,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..kernels import affine_supported, block_partials, merge_fp16
 from ..registry import Option, register_scheme
 from .block import BlockCache, BlockScheme
 from .buffers import STORE_DTYPE
+from .kernel_route import KernelRoute
 from .options import split_widths, width_options, with_sink
 
 TURBOQUANT_BITS = (2, 3, 4, 8)
@@ -134,11 +140,13 @@ def qjl_matrix(seed: int, dim: int) -> mx.array:
     return mx.array((np.round(s * 1024) / 1024).astype(np.float32))
 
 
-class TurboQuantCache(BlockCache):
+class TurboQuantCache(KernelRoute, BlockCache):
     """Randomized Hadamard rotation per head, Lloyd-Max codes per coordinate, fp16 norms (QJL for K optional)."""
 
     scheme = "turboquant"
     block_tokens = 32
+    body_step = 8  # the blocks' buffers grow 256 tokens at a time, as mlx-lm's caches do: a step writes in place
+    KERNELS = ("affine_decode",)  # reading codebook codes and norms (kernels/blocks.py)
     OPTIONS = (
         *width_options(4, TURBOQUANT_BITS),
         Option("qjl", 0, "1: K spends one bit on the QJL sign sketch of its residual (unbiased q.k)", (0, 1)),
@@ -157,6 +165,32 @@ class TurboQuantCache(BlockCache):
 
     def unrotate(self, x: mx.array) -> mx.array:
         return mx.hadamard_transform(x) * head_signs(self.seed, x.shape[1], x.shape[-1])
+
+    def codebook(self, kind: str, d: int) -> mx.array:
+        """K's or V's codebook for head dim d: the Lloyd-Max centroids of N(0, 1) over sqrt(d), float32."""
+        return mx.array(gaussian_codebook(self.codebook_bits(kind))[0].astype(np.float32)) / math.sqrt(d)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        """From the codes on a GPU: the queries rotated into the blocks' space, the fused kernel over the blocks,
+        its partial outputs rotated back and merged with the fp16 tokens' attention. Elsewhere, before the first
+        block, or with QJL, the reference path over the fetched K/V."""
+        supported = self.n_blocks > 0 and not self.qjl and affine_supported(queries, mask)
+        route = self.kernel_route(supported, "affine_decode")
+        if route is None:
+            return super().attend(queries, keys, values, scale, mask)
+        emulate = route == "emulated"
+        b, hq, length, d = queries.shape
+        body = [[codes.data, norms.data, norms.data] for codes, norms in self.body_buffers]  # no offsets to read
+        hkv = body[0][0].shape[1]
+        signs = head_signs(self.seed, hkv, d)  # each kv head's signs serve its query heads
+        q = mx.hadamard_transform(queries.astype(mx.float32).reshape(b, hkv, -1, d) * signs).reshape(queries.shape)
+        luts = (self.codebook("k", d), self.codebook("v", d))
+        part_o, part_lse = block_partials(q, scale, body, self.n_blocks, (self.codebook_bits("k"), self.v_bits), d,
+                                          luts=luts, emulate=emulate)
+        grouped = part_o.reshape(b, hkv, -1, d)
+        part_o = (mx.hadamard_transform(grouped) * signs).reshape(part_o.shape)
+        return merge_fp16(part_o, part_lse, self.fp16_attention(queries, scale, mask), queries.shape, queries.dtype,
+                          emulate)
 
     def codebook_bits(self, kind: str) -> int:
         """The codebook's width for K or V: the width, less the QJL bit for K with qjl."""
@@ -183,9 +217,8 @@ class TurboQuantCache(BlockCache):
 
     def decode(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
         d = self.head_dim(parts[0], kind)
-        bits = self.codebook_bits(kind)
-        centroids = mx.array(gaussian_codebook(bits)[0].astype(np.float32)) / math.sqrt(d)
-        x = mx.take(centroids, unpack_bits(parts[0], bits, d)) * parts[1].astype(mx.float32)
+        x = mx.take(self.codebook(kind, d), unpack_bits(parts[0], self.codebook_bits(kind), d))
+        x = x * parts[1].astype(mx.float32)
         if kind == "k" and self.qjl:
             signs = unpack_bits(parts[2], 1, d).astype(mx.float32) * 2 - 1
             x = x + parts[3].astype(mx.float32) * (math.sqrt(math.pi / 2) / d) * (signs @ qjl_matrix(self.seed, d))

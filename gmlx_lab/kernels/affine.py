@@ -50,6 +50,7 @@ class AffinePlan(NamedTuple):
     bits: int  # K's code width
     vbits: int  # V's
     kchan: bool  # K per channel over blocks of 32 tokens (KIVI), not per token
+    lut: bool  # codes index value tables, one norm a row (TurboQuant), not affine codes
     group_size: int  # V's values a scale (and K's, per token)
     length: int  # query tokens
     causal: bool
@@ -59,25 +60,26 @@ class AffinePlan(NamedTuple):
 
 def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: int, length: int, causal: bool,
                 per_split: int | None = None, rotate: bool = False, vbits: int | None = None, kchan: bool = False,
-                merge: bool | None = None) -> AffinePlan:
+                lut: bool = False, merge: bool | None = None) -> AffinePlan:
     """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads:
     splits of `per_split` tiles, else of at least AFFINE_MIN_TILES tiles, more where that still leaves
-    TARGET_GROUPS threadgroups. `bits` is K's width (and V's, unless `vbits`); `kchan`: KIVI's K layout;
-    `merge`: whether the kernel merges its splits (by default where it can, `kernel_merges`)."""
+    TARGET_GROUPS threadgroups. `bits` is K's width (and V's, unless `vbits`); `kchan`: KIVI's K layout; `lut`:
+    TurboQuant's codes; `merge`: whether the kernel merges its splits (by default where it can, `kernel_merges`)."""
     merge = kernel_merges() if merge is None else merge
-    return _affine_plan(nq, bh, -(-tokens // 128), bits, vbits or bits, kchan, group_size, length, causal, per_split,
-                        rotate, affine_qb_max(d), merge)
+    return _affine_plan(nq, bh, -(-tokens // 128), bits, vbits or bits, kchan, lut, group_size, length, causal,
+                        per_split, rotate, affine_qb_max(d), merge)
 
 
 @lru_cache(maxsize=256)
-def _affine_plan(nq: int, bh: int, tiles: int, bits: int, vbits: int, kchan: bool, group_size: int, length: int,
-                 causal: bool, per_split: int | None, rotate: bool, qb_max: int, merge: bool) -> AffinePlan:
+def _affine_plan(nq: int, bh: int, tiles: int, bits: int, vbits: int, kchan: bool, lut: bool, group_size: int,
+                 length: int, causal: bool, per_split: int | None, rotate: bool, qb_max: int, merge: bool
+                 ) -> AffinePlan:
     """affine_plan's arithmetic, once per geometry (the layers of a decode step repeat it; it moves every 128
     tokens)."""
     qb, nchunk = chunks(nq, qb_max)
     per_tiles = per_split or min(tiles, max(AFFINE_MIN_TILES, split_size(tiles, bh * nchunk)))
-    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, vbits, kchan, group_size, length,
-                      causal, rotate, merge)
+    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, vbits, kchan, lut, group_size,
+                      length, causal, rotate, merge)
 
 
 def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
@@ -86,22 +88,26 @@ def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tupl
 
 
 def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], vparts: list[mx.array],
-                        params: mx.array, fparams: mx.array, counter: mx.array) -> tuple[mx.array, ...]:
+                        params: mx.array, fparams: mx.array, counter: mx.array,
+                        luts: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, ...]:
     """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg; with
     plan.merge their merge (BH, NQ, D) in qg's dtype, rotated back if plan.rotate, and the counter for the next
-    launch (else placeholders). `counter`: BH * NCHUNK zeros (SplitCounter)."""
+    launch (else placeholders). `counter`: BH * NCHUNK zeros (SplitCounter); `luts`: K's and V's value tables
+    (plan.lut)."""
     bh, nq, d = qg.shape
     if plan.merge and counter.size != bh * plan.nchunk:
         raise ValueError(f"affine_decode: a counter of {counter.size} for {bh * plan.nchunk} (kv head, query chunk)s")
     inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
-              "vbi": vparts[2], "params": params, "fparams": fparams, "counter": counter}
+              "vbi": vparts[2], "params": params, "fparams": fparams, "counter": counter,
+              "klut": luts[0] if plan.lut else fparams, "vlut": luts[1] if plan.lut else fparams}
     return tuple(launch(
         "affine_decode", inputs,
         {"part_o": ((bh, plan.nsplit, nq, d), mx.float32), "part_lse": ((bh, plan.nsplit, nq), mx.float32),
          "out": ((bh, nq, d) if plan.merge else (1,), qg.dtype),
          "counter_out": ((counter.size,) if plan.merge else (1,), mx.uint32)},
         grid=(128, plan.nsplit, bh * plan.nchunk), threadgroup=(128, 1, 1),
-        template={"KBITS": plan.bits, "VBITS": plan.vbits, "KCHAN": int(plan.kchan), "GS": plan.group_size, "D": d,
+        template={"KBITS": plan.bits, "VBITS": plan.vbits, "KCHAN": int(plan.kchan), "LUT": int(plan.lut),
+                  "GS": plan.group_size, "D": d,
                   "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk, "L": plan.length, "MERGE": int(plan.merge),
                   "ROTATE": int(plan.rotate), "QDT": DTYPE_IDS[qg.dtype]},
     ))
@@ -109,29 +115,34 @@ def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], 
 
 def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: list[mx.array], tokens: int,
                     bits: int, group_size: int, length: int, causal: bool, per_split: int | None = None,
-                    emulate: bool = False, vbits: int | None = None, kchan: bool = False) -> tuple[mx.array, mx.array]:
+                    emulate: bool = False, vbits: int | None = None, kchan: bool = False,
+                    luts: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
     """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...); with `kchan`,
-    K in KIVI's blocks (B, Hkv, CAP/32, D, ...)."""
+    K in KIVI's blocks (B, Hkv, CAP/32, D, ...); with `luts` (K's and V's value tables), TurboQuant's codes and
+    norms ([codes, norms, any] each)."""
     bh, nq, d = qg.shape
     plan = affine_plan(nq, d, bh, tokens, bits, group_size, length, causal, per_split, vbits=vbits, kchan=kchan,
-                       merge=False)
+                       lut=luts is not None, merge=False)
     if emulate:
-        return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, plan, d)
+        return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, plan, d, luts)
     part_o, part_lse, *_ = affine_split_kernel(plan, qg, kparts, vparts,
                                                *affine_params(plan, tokens, vparts[0].shape[2], scale),
-                                               mx.zeros((bh * plan.nchunk,), mx.uint32))
+                                               mx.zeros((bh * plan.nchunk,), mx.uint32), luts)
     return part_o, part_lse
 
 
 def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, plan: AffinePlan,
-                     d: int) -> tuple[mx.array, mx.array]:
+                     d: int, luts: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
     """The affine_decode threadgroup algorithm in MLX: per 128-token tile, scale * (q . codes) + bias * sum(q) (KIVI's
-    K: q . (code * scale + bias), channel by channel); values as (p * scale) . codes + sum(p * bias) per group."""
+    K: q . (code * scale + bias), channel by channel); values as (p * scale) . codes + sum(p * bias) per group.
+    With `luts` a code stands for its table's value and the bias is 0 (TurboQuant)."""
     bh, nq, _ = qg.shape
     gs, length, per = plan.group_size, plan.length, plan.per
     ng = d // gs
     vw, vsc, vbi = (flat(p)[:, :tokens] for p in vparts)
     vcode = _unpack_affine(vw, plan.vbits, d)
+    if luts is not None:
+        vcode, vbi = mx.take(luts[1], vcode.astype(mx.uint32)), mx.zeros_like(vsc)
     qgrp = qg.reshape(bh, nq, ng, gs)
     qsum = qgrp.sum(axis=-1)
     if plan.kchan:  # KIVI: each block's (D, 32) codes, scaled per channel, as (BH, T, D) key values
@@ -143,6 +154,8 @@ def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array
     else:
         kw, ksc, kbi = (flat(p)[:, :tokens] for p in kparts)
         kcode = _unpack_affine(kw, plan.bits, d)  # (BH, T, D)
+        if luts is not None:
+            kcode, kbi = mx.take(luts[0], kcode.astype(mx.uint32)), mx.zeros_like(ksc)
     qtok = mx.arange(nq) % length
     outs, lses = [], []
     for t_begin in range(0, tokens, per):

@@ -20,8 +20,8 @@ from ..cache.buffers import KV
 from ..cache.kvarn.records import KvarnParts, decode_tokens, encode_tokens, unpack_rows
 from . import config
 from .affine import affine_attend, affine_partials
+from .blocks import block_partials, merge_fp16
 from .build import active_backend, forget_kernels, kernel_backend
-from .kivi import kivi_attend
 from .kvarn import kvarn_attend, kvarn_partials, kvarn_tokens, seal_records, unpack_records
 from .splits import group_queries, merge_splits
 
@@ -83,20 +83,29 @@ def _check_affine_decode() -> float:
                                            emulate=True), emulate=True)
     routed = affine_attend(q, 0.09, None, parts, 300, 4, 64, rotate=True)
     want = affine_attend(q, 0.09, None, parts, 300, 4, 64, rotate=True, emulate=True)
-    return max(_relative(out, ref), _relative(routed, want), _check_kivi_layout())
+    return max(_relative(out, ref), _relative(routed, want), _check_block_layouts())
 
 
-def _check_kivi_layout() -> float:
-    """KIVI's K layout (per channel over 32-token blocks, 3-bit codes crossing words) with 2-bit V, two query tokens
-    and an fp16 tokens' attention to merge, as KiviCache attends, against the emulation."""
+def _check_block_layouts() -> float:
+    """The block caches' layouts against the emulation, with two query tokens and an fp16 tokens' attention to
+    merge: KIVI's K (per channel over 32-token blocks, 3-bit codes crossing words) with 2-bit V, and TurboQuant's
+    codebook codes (random words: every bit pattern is a code) times norms, 3-bit K and 8-bit V."""
     mx.random.seed(14)
     k, v = (mx.random.normal((1, 2, 9, 32, 128)).astype(mx.float16) for _ in range(2))
-    kparts = list(mx.quantize(mx.contiguous(k.swapaxes(-1, -2)), group_size=32, bits=3))
-    vparts = list(mx.quantize(v, group_size=32, bits=2))
+    kivi = [list(mx.quantize(mx.contiguous(k.swapaxes(-1, -2)), group_size=32, bits=3)),
+            list(mx.quantize(v, group_size=32, bits=2))]
+    norms = mx.random.uniform(0.5, 2.0, (1, 2, 9, 32, 1)).astype(mx.float16)
+    words = [mx.random.randint(0, 2**31, (1, 2, 9, 32, 128 * b // 32)).astype(mx.uint32) for b in (3, 8)]
+    turbo = [[w, norms, norms] for w in words]
+    luts = (mx.random.normal((8,)) * 0.1, mx.random.normal((256,)) * 0.1)
     q = mx.random.normal((1, 4, 2, 128)).astype(mx.float16)
     fp16 = mx.random.normal((1, 4, 2, 128)), mx.random.normal((1, 4, 2)) + 3.0  # attention over fp16 tokens, its lse
-    run = [kivi_attend(q, 0.09, [kparts, vparts], 9, fp16, (3, 2), emulate=e) for e in (False, True)]
-    return _relative(*run)
+    errors = []
+    for body, bits, group, layout in ((kivi, (3, 2), 32, {"kchan": True}), (turbo, (3, 8), 128, {"luts": luts})):
+        run = [merge_fp16(*block_partials(q, 0.09, body, 9, bits, group, emulate=e, **layout), fp16, q.shape, q.dtype,
+                          emulate=e) for e in (False, True)]
+        errors.append(_relative(*run))
+    return max(errors)
 
 
 def _check_kvarn_seal() -> float:
