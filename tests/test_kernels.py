@@ -566,13 +566,15 @@ def test_affine_fused_rotated_and_split_counts() -> None:
         assert _rel(ko, eo) < EMU_TOL and mx.allclose(kl, el, rtol=EMU_TOL, atol=EMU_TOL).item()
 
 
-# Block caches attending through affine_decode: KIVI (K per channel over 32-token blocks) and TurboQuant (codebook
-# codes and norms in rotated space). (spec, head dim, query tokens, tokens before them)
+# Block caches attending through affine_decode: KIVI (K per channel over 32-token blocks), TurboQuant (codebook
+# codes and norms in rotated space) and the microscaling floats (codes and byte scales looked up; nvfp4's groups of
+# 16). (spec, head dim, query tokens, tokens before them)
 BLOCK_CASES = [("kivi:bits=4", 128, 1, 1000), ("kivi:k2v3,sink_tokens=4", 64, 1, 700),
                ("kivi:k3v5,kv_tail_tokens=0", 128, 3, 600), ("kivi:k8v2,sink_tokens=4,kv_tail_tokens=32", 128, 2, 333),
                ("kivi:k6v8", 256, 4, 2100), ("turboquant4", 128, 1, 700), ("turboquant:k3v2,kv_tail_tokens=128,"
                "sink_tokens=4", 128, 2, 900), ("turboquant:k8v3", 64, 1, 500), ("turboquant:k2v8,kv_tail_tokens=32",
-               256, 4, 1300)]
+               256, 4, 1300), ("mxfp4", 128, 1, 700), ("nvfp4_rot:kv_tail_tokens=128,sink_tokens=4", 128, 2, 900),
+               ("mxfp8", 64, 1, 500), ("nvfp4:kv_tail_tokens=32", 256, 4, 1300)]
 
 
 def _block_cache(spec: str, d: int, tokens: int, lq: int, seed: int):
@@ -613,7 +615,7 @@ def test_block_kernel_fused_matches_emulation(case: tuple) -> None:
     assert got.dtype == q.dtype and _rel(got, want) < KERNEL_TOL
 
 
-@pytest.mark.parametrize("spec", ["kivi4", "turboquant4", "turboquant:bits=4,qjl=1"])
+@pytest.mark.parametrize("spec", ["kivi4", "turboquant4", "turboquant:bits=4,qjl=1", "nvfp4"])
 def test_a_block_cache_takes_the_reference_path_where_the_kernel_does_not_apply(spec: str) -> None:
     """Before its first block a cache is all fp16, and TurboQuant's QJL has no fused form: the "emulated" route
     steps aside for the reference path there (the same output), and takes the kernel's path once it applies."""

@@ -8,18 +8,22 @@ Each token's row is cut into groups; a group shares one 8-bit scale and each val
 The format is (bits, group_size): 4 and 32, 4 and 16, 8 and 32 (the only ones MLX accepts). With
 `rotation=1` each head is first turned by the normalized Hadamard transform, as affine_rot does. Specs may name
 the format ("mxfp4", "nvfp4_rot", "mxfp8") or spell it out ("float4:g=16,rot=1"). The block base derives the byte
-formula, the policy rule and the audit. What it rotates, scales and keeps fp16, and its bytes per token:
-docs/field.md.
+formula, the policy rule and the audit. On a GPU a decode step attends from the codes (kernels/blocks.py:
+affine_decode looking each code and each scale byte up in the format's tables, `format_tables`), merged with the
+fp16 tokens' attention. What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 
+from ..kernels import affine_supported, block_partials, merge_fp16, value_tables
 from ..registry import Option, register_scheme
 from .block import BlockCache, BlockScheme
+from .kernel_route import KernelRoute
 from .options import with_sink
 
 FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group_size) -> mx.quantize mode
@@ -33,11 +37,39 @@ def float_format(bits: int, group_size: int) -> str:
     return FORMATS[(bits, group_size)]
 
 
-class FloatCache(BlockCache):
+@lru_cache(maxsize=8)
+def format_tables(bits: int, group_size: int) -> mx.array:
+    """affine_decode's tables for a format: what each code and each scale byte stands for, read off mx.dequantize
+    itself (value[code] * scale[byte] is what it gives): every code under the scale byte of a group of ones, and the
+    code of one under every scale byte, divided by one's own value."""
+    mode = float_format(bits, group_size)
+    ones_words, ones_scales = mx.quantize(mx.ones((1, 32)), group_size=group_size, bits=bits, mode=mode)  # (as below)
+    per_word, n = 32 // bits, 1 << bits
+    one_code, one_scale = ones_words[0, 0].item() & (n - 1), ones_scales[0, 0].item()
+
+    def words(codes: mx.array) -> mx.array:  # codes (rows, k * per_word) packed as mx.quantize packs them
+        shifted = codes.reshape(codes.shape[0], -1, per_word) << (mx.arange(per_word, dtype=mx.uint32) * bits)
+        return mx.sum(shifted, axis=-1).astype(mx.uint32)
+
+    def dequantize(codes: mx.array, scale_bytes: mx.array) -> mx.array:
+        scales = mx.repeat(scale_bytes.astype(mx.uint8)[:, None], codes.shape[1] // group_size, axis=1)
+        return mx.dequantize(words(codes), scales, group_size=group_size, bits=bits, mode=mode, dtype=mx.float32)
+
+    width = max(n, 32)  # whole rows of 32 values at least: MLX's nvfp4 takes no shorter ones
+    every_code = (mx.arange(width, dtype=mx.uint32) % n)[None]
+    values = dequantize(every_code, mx.array([one_scale]))[0, :n]
+    ones = mx.full((256, width), one_code, mx.uint32)
+    scales = dequantize(ones, mx.arange(256))[:, 0] / values[one_code]
+    return value_tables(values, values, scales)
+
+
+class FloatCache(KernelRoute, BlockCache):
     """Each token's K/V row as microscaling floats (codes in uint32 words, one uint8 scale per group)."""
 
     scheme = "float"
     block_tokens = 32
+    body_step = 8  # the blocks' buffers grow 256 tokens at a time, as mlx-lm's caches do: a step writes in place
+    KERNELS = ("affine_decode",)  # looking codes and scale bytes up (kernels/blocks.py)
     OPTIONS = (
         Option("bits", 4, "value width: 4 (E2M1) or 8 (E4M3)", (4, 8)),
         Option("group_size", 32, "values sharing one 8-bit scale: 32 (mxfp4, mxfp8) or 16 (nvfp4)", (16, 32)),
@@ -73,6 +105,21 @@ class FloatCache(BlockCache):
         codes, scales = parts
         return mx.dequantize(codes, scales, group_size=self.group_size, bits=self.bits, mode=self.mode,
                              dtype=mx.float32)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        """From the codes on a GPU: the fused kernel over the blocks (the queries rotated in and its output back
+        with `rotation`), merged with the fp16 tokens' attention; elsewhere, or before the first block, the
+        reference path over the fetched K/V."""
+        route = self.kernel_route(self.n_blocks > 0 and affine_supported(queries, mask), "affine_decode")
+        if route is None:
+            return super().attend(queries, keys, values, scale, mask)
+        emulate = route == "emulated"
+        body = [[codes.data, scales.data, scales.data] for codes, scales in self.body_buffers]  # no offsets
+        part_o, part_lse = block_partials(self.rotate(queries), scale, body, self.n_blocks, (self.bits, self.bits),
+                                          self.group_size, tables=format_tables(self.bits, self.group_size),
+                                          emulate=emulate)
+        return merge_fp16(self.unrotate(part_o), part_lse, self.fp16_attention(queries, scale, mask), queries.shape,
+                          queries.dtype, emulate)
 
 
 class FloatScheme(BlockScheme):

@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..kernels import affine_supported, block_partials, merge_fp16
+from ..kernels import affine_supported, block_partials, merge_fp16, value_tables
 from ..registry import Option, register_scheme
 from .block import BlockCache, BlockScheme
 from .buffers import STORE_DTYPE
@@ -184,9 +184,9 @@ class TurboQuantCache(KernelRoute, BlockCache):
         hkv = body[0][0].shape[1]
         signs = head_signs(self.seed, hkv, d)  # each kv head's signs serve its query heads
         q = mx.hadamard_transform(queries.astype(mx.float32).reshape(b, hkv, -1, d) * signs).reshape(queries.shape)
-        luts = (self.codebook("k", d), self.codebook("v", d))
+        tables = value_tables(self.codebook("k", d), self.codebook("v", d))
         part_o, part_lse = block_partials(q, scale, body, self.n_blocks, (self.codebook_bits("k"), self.v_bits), d,
-                                          luts=luts, emulate=emulate)
+                                          tables=tables, emulate=emulate)
         grouped = part_o.reshape(b, hkv, -1, d)
         part_o = (mx.hadamard_transform(grouped) * signs).reshape(part_o.shape)
         return merge_fp16(part_o, part_lse, self.fp16_attention(queries, scale, mask), queries.shape, queries.dtype,

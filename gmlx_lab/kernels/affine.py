@@ -50,7 +50,8 @@ class AffinePlan(NamedTuple):
     bits: int  # K's code width
     vbits: int  # V's
     kchan: bool  # K per channel over blocks of 32 tokens (KIVI), not per token
-    lut: bool  # codes index value tables, one norm a row (TurboQuant), not affine codes
+    lut: bool  # codes index value tables, no offsets (TurboQuant, the microscaling floats), not affine codes
+    slut: bool  # the scales are bytes whose values are looked up (the microscaling floats)
     group_size: int  # V's values a scale (and K's, per token)
     length: int  # query tokens
     causal: bool
@@ -60,25 +61,26 @@ class AffinePlan(NamedTuple):
 
 def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: int, length: int, causal: bool,
                 per_split: int | None = None, rotate: bool = False, vbits: int | None = None, kchan: bool = False,
-                lut: bool = False, merge: bool | None = None) -> AffinePlan:
-    """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads:
-    splits of `per_split` tiles, else of at least AFFINE_MIN_TILES tiles, more where that still leaves
-    TARGET_GROUPS threadgroups. `bits` is K's width (and V's, unless `vbits`); `kchan`: KIVI's K layout; `lut`:
-    TurboQuant's codes; `merge`: whether the kernel merges its splits (by default where it can, `kernel_merges`)."""
+                lut: bool = False, slut: bool = False, merge: bool | None = None) -> AffinePlan:
+    """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads: splits
+    of `per_split` tiles, else of at least AFFINE_MIN_TILES tiles, more where that still leaves TARGET_GROUPS
+    threadgroups. `bits` is K's width (and V's, unless `vbits`); `kchan`: KIVI's K layout; `lut`: codes index value
+    tables, `slut` and so do the scale bytes (`value_tables`); `merge`: whether the kernel merges its splits (by default
+    where it can, `kernel_merges`)."""
     merge = kernel_merges() if merge is None else merge
-    return _affine_plan(nq, bh, -(-tokens // 128), bits, vbits or bits, kchan, lut, group_size, length, causal,
+    return _affine_plan(nq, bh, -(-tokens // 128), bits, vbits or bits, kchan, lut, slut, group_size, length, causal,
                         per_split, rotate, affine_qb_max(d), merge)
 
 
 @lru_cache(maxsize=256)
-def _affine_plan(nq: int, bh: int, tiles: int, bits: int, vbits: int, kchan: bool, lut: bool, group_size: int,
-                 length: int, causal: bool, per_split: int | None, rotate: bool, qb_max: int, merge: bool
-                 ) -> AffinePlan:
+def _affine_plan(nq: int, bh: int, tiles: int, bits: int, vbits: int, kchan: bool, lut: bool, slut: bool,
+                 group_size: int, length: int, causal: bool, per_split: int | None, rotate: bool, qb_max: int,
+                 merge: bool) -> AffinePlan:
     """affine_plan's arithmetic, once per geometry (the layers of a decode step repeat it; it moves every 128
     tokens)."""
     qb, nchunk = chunks(nq, qb_max)
     per_tiles = per_split or min(tiles, max(AFFINE_MIN_TILES, split_size(tiles, bh * nchunk)))
-    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, vbits, kchan, lut, group_size,
+    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, vbits, kchan, lut, slut, group_size,
                       length, causal, rotate, merge)
 
 
@@ -89,17 +91,16 @@ def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tupl
 
 def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], vparts: list[mx.array],
                         params: mx.array, fparams: mx.array, counter: mx.array,
-                        luts: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, ...]:
+                        tables: mx.array | None = None) -> tuple[mx.array, ...]:
     """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg; with
     plan.merge their merge (BH, NQ, D) in qg's dtype, rotated back if plan.rotate, and the counter for the next
-    launch (else placeholders). `counter`: BH * NCHUNK zeros (SplitCounter); `luts`: K's and V's value tables
-    (plan.lut)."""
+    launch (else placeholders). `counter`: BH * NCHUNK zeros (SplitCounter); `tables`: `value_tables` (plan.lut)."""
     bh, nq, d = qg.shape
     if plan.merge and counter.size != bh * plan.nchunk:
         raise ValueError(f"affine_decode: a counter of {counter.size} for {bh * plan.nchunk} (kv head, query chunk)s")
     inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
               "vbi": vparts[2], "params": params, "fparams": fparams, "counter": counter,
-              "klut": luts[0] if plan.lut else fparams, "vlut": luts[1] if plan.lut else fparams}
+              "tables": tables if plan.lut else fparams}
     return tuple(launch(
         "affine_decode", inputs,
         {"part_o": ((bh, plan.nsplit, nq, d), mx.float32), "part_lse": ((bh, plan.nsplit, nq), mx.float32),
@@ -107,7 +108,7 @@ def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], 
          "counter_out": ((counter.size,) if plan.merge else (1,), mx.uint32)},
         grid=(128, plan.nsplit, bh * plan.nchunk), threadgroup=(128, 1, 1),
         template={"KBITS": plan.bits, "VBITS": plan.vbits, "KCHAN": int(plan.kchan), "LUT": int(plan.lut),
-                  "GS": plan.group_size, "D": d,
+                  "SLUT": int(plan.slut), "GS": plan.group_size, "D": d,
                   "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk, "L": plan.length, "MERGE": int(plan.merge),
                   "ROTATE": int(plan.rotate), "QDT": DTYPE_IDS[qg.dtype]},
     ))
@@ -116,33 +117,34 @@ def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], 
 def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: list[mx.array], tokens: int,
                     bits: int, group_size: int, length: int, causal: bool, per_split: int | None = None,
                     emulate: bool = False, vbits: int | None = None, kchan: bool = False,
-                    luts: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
+                    tables: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Per-split partial attention over the first `tokens` rows of affine buffers (B, Hkv, CAP, ...); with `kchan`,
-    K in KIVI's blocks (B, Hkv, CAP/32, D, ...); with `luts` (K's and V's value tables), TurboQuant's codes and
-    norms ([codes, norms, any] each)."""
+    K in KIVI's blocks (B, Hkv, CAP/32, D, ...); with `tables` (`value_tables`), codes that index values, with
+    fp16 scales (TurboQuant's norms) or byte scales that index values too (microscaling floats), and no offsets
+    ([codes, scales, any] each)."""
     bh, nq, d = qg.shape
     plan = affine_plan(nq, d, bh, tokens, bits, group_size, length, causal, per_split, vbits=vbits, kchan=kchan,
-                       lut=luts is not None, merge=False)
+                       lut=tables is not None, slut=vparts[1].dtype == mx.uint8, merge=False)
     if emulate:
-        return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, plan, d, luts)
+        return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, plan, d, tables)
     part_o, part_lse, *_ = affine_split_kernel(plan, qg, kparts, vparts,
                                                *affine_params(plan, tokens, vparts[0].shape[2], scale),
-                                               mx.zeros((bh * plan.nchunk,), mx.uint32), luts)
+                                               mx.zeros((bh * plan.nchunk,), mx.uint32), tables)
     return part_o, part_lse
 
 
 def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array], tokens: int, plan: AffinePlan,
-                     d: int, luts: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
+                     d: int, tables: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """The affine_decode threadgroup algorithm in MLX: per 128-token tile, scale * (q . codes) + bias * sum(q) (KIVI's
     K: q . (code * scale + bias), channel by channel); values as (p * scale) . codes + sum(p * bias) per group.
-    With `luts` a code stands for its table's value and the bias is 0 (TurboQuant)."""
+    With `tables` a code (and with plan.slut a scale byte) stands for its table's value and the bias is 0."""
     bh, nq, _ = qg.shape
     gs, length, per = plan.group_size, plan.length, plan.per
     ng = d // gs
     vw, vsc, vbi = (flat(p)[:, :tokens] for p in vparts)
     vcode = _unpack_affine(vw, plan.vbits, d)
-    if luts is not None:
-        vcode, vbi = mx.take(luts[1], vcode.astype(mx.uint32)), mx.zeros_like(vsc)
+    if tables is not None:
+        vcode, vsc, vbi = _looked_up(tables, 256, vcode, vsc, plan.slut)
     qgrp = qg.reshape(bh, nq, ng, gs)
     qsum = qgrp.sum(axis=-1)
     if plan.kchan:  # KIVI: each block's (D, 32) codes, scaled per channel, as (BH, T, D) key values
@@ -154,8 +156,8 @@ def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array
     else:
         kw, ksc, kbi = (flat(p)[:, :tokens] for p in kparts)
         kcode = _unpack_affine(kw, plan.bits, d)  # (BH, T, D)
-        if luts is not None:
-            kcode, kbi = mx.take(luts[0], kcode.astype(mx.uint32)), mx.zeros_like(ksc)
+        if tables is not None:
+            kcode, ksc, kbi = _looked_up(tables, 0, kcode, ksc, plan.slut)
     qtok = mx.arange(nq) % length
     outs, lses = [], []
     for t_begin in range(0, tokens, per):
@@ -186,6 +188,24 @@ def _affine_emulated(qg: mx.array, kparts: list[mx.array], vparts: list[mx.array
         outs.append((acc / den[..., None, None]).reshape(bh, nq, d))
         lses.append(m + mx.log(den))
     return mx.stack(outs, axis=1), mx.stack(lses, axis=1)
+
+
+def _looked_up(tables: mx.array, at: int, codes: mx.array, scales: mx.array, slut: bool
+               ) -> tuple[mx.array, mx.array, mx.array]:
+    """Codes as their values (the table from `at`), the scales as floats (bytes looked up from 512 with `slut`), and
+    zero offsets: what the kernel reads with LUT."""
+    values = mx.take(tables[at:at + 256], codes.astype(mx.uint32))
+    scales = mx.take(tables[512:], scales.astype(mx.uint32)) if slut else scales.astype(mx.float32)
+    return values, scales, mx.zeros_like(scales)
+
+
+def value_tables(k_values: mx.array, v_values: mx.array, scale_values: mx.array | None = None) -> mx.array:
+    """affine_decode's `tables`: what each K code, each V code and (for byte scales) each scale byte stands for,
+    float32, at 0, 256 and 512 (at most 256 entries each)."""
+    pieces = [mx.pad(x.astype(mx.float32), (0, 256 - x.size)) for x in (k_values, v_values)]
+    pieces.append(mx.zeros((256,)) if scale_values is None else mx.pad(scale_values.astype(mx.float32),
+                                                                          (0, 256 - scale_values.size)))
+    return mx.concatenate(pieces)
 
 
 def _unpack_affine(words: mx.array, bits: int, d: int) -> mx.array:

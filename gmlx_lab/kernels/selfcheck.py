@@ -20,7 +20,7 @@ from ..cache.buffers import KV
 from ..cache.kvarn.records import KvarnParts, decode_tokens, encode_tokens, unpack_rows
 from . import config
 from .affine import affine_attend, affine_partials
-from .blocks import block_partials, merge_fp16
+from .blocks import block_partials, merge_fp16, value_tables
 from .build import active_backend, forget_kernels, kernel_backend
 from .kvarn import kvarn_attend, kvarn_partials, kvarn_tokens, seal_records, unpack_records
 from .splits import group_queries, merge_splits
@@ -88,20 +88,25 @@ def _check_affine_decode() -> float:
 
 def _check_block_layouts() -> float:
     """The block caches' layouts against the emulation, with two query tokens and an fp16 tokens' attention to
-    merge: KIVI's K (per channel over 32-token blocks, 3-bit codes crossing words) with 2-bit V, and TurboQuant's
-    codebook codes (random words: every bit pattern is a code) times norms, 3-bit K and 8-bit V."""
+    merge: KIVI's K (per channel over 32-token blocks, 3-bit codes crossing words) with 2-bit V; TurboQuant's
+    codebook codes (random words: every bit pattern is a code) times fp16 norms, 3-bit K and 8-bit V; and codes
+    with byte scales looked up in groups of 16 (nvfp4's)."""
     mx.random.seed(14)
     k, v = (mx.random.normal((1, 2, 9, 32, 128)).astype(mx.float16) for _ in range(2))
     kivi = [list(mx.quantize(mx.contiguous(k.swapaxes(-1, -2)), group_size=32, bits=3)),
             list(mx.quantize(v, group_size=32, bits=2))]
     norms = mx.random.uniform(0.5, 2.0, (1, 2, 9, 32, 1)).astype(mx.float16)
-    words = [mx.random.randint(0, 2**31, (1, 2, 9, 32, 128 * b // 32)).astype(mx.uint32) for b in (3, 8)]
-    turbo = [[w, norms, norms] for w in words]
-    luts = (mx.random.normal((8,)) * 0.1, mx.random.normal((256,)) * 0.1)
+    words = {b: mx.random.randint(0, 2**31, (1, 2, 9, 32, 128 * b // 32)).astype(mx.uint32) for b in (3, 4, 8)}
+    turbo = [[words[3], norms, norms], [words[8], norms, norms]]
+    scale_bytes = mx.random.randint(0, 256, (1, 2, 9, 32, 8)).astype(mx.uint8)
+    floats = [[words[4], scale_bytes, scale_bytes]] * 2
+    table = mx.random.normal((256,)) * 0.1
+    layouts = ((kivi, (3, 2), 32, {"kchan": True}), (turbo, (3, 8), 128, {"tables": value_tables(table[:8], table)}),
+               (floats, (4, 4), 16, {"tables": value_tables(table[:16], table[16:32], mx.abs(table) + 0.5)}))
     q = mx.random.normal((1, 4, 2, 128)).astype(mx.float16)
     fp16 = mx.random.normal((1, 4, 2, 128)), mx.random.normal((1, 4, 2)) + 3.0  # attention over fp16 tokens, its lse
     errors = []
-    for body, bits, group, layout in ((kivi, (3, 2), 32, {"kchan": True}), (turbo, (3, 8), 128, {"luts": luts})):
+    for body, bits, group, layout in layouts:
         run = [merge_fp16(*block_partials(q, 0.09, body, 9, bits, group, emulate=e, **layout), fp16, q.shape, q.dtype,
                           emulate=e) for e in (False, True)]
         errors.append(_relative(*run))

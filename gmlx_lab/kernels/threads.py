@@ -39,8 +39,9 @@ from .sources import HERE, INDICES, METAL_CONSTANT_SIZE, METAL_TYPES, assemble, 
 
 CXX = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wno-attributes"]
 HEADERS = ("cpu_lanes.h", "prelude_cpu.h", "shim_metal_cpu.h")  # their text joins the cache key
-C_TYPES = {mx.float32: "float", mx.float16: "HALF", mx.uint32: "uint32_t", mx.int32: "int32_t"}
-NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.uint32: np.uint32, mx.int32: np.int32}
+C_TYPES = {mx.float32: "float", mx.float16: "HALF", mx.uint32: "uint32_t", mx.int32: "int32_t", mx.uint8: "uint8_t"}
+NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.uint32: np.uint32, mx.int32: np.int32,
+            mx.uint8: np.uint8}
 CACHE_DIR = Path(tempfile.gettempdir()) / "gmlx_cpu_threads"
 SOURCES = ("cuda", "metal")
 METAL_THREADGROUP_BYTES = 32768  # threadgroup memory of one threadgroup on Apple GPUs (M1 to M4)
