@@ -24,6 +24,7 @@ from .splits import (
     split_size,
     step_params,
     ungroup,
+    unused_counter,
 )
 
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
@@ -129,7 +130,7 @@ def affine_partials(qg: mx.array, scale: float, kparts: list[mx.array], vparts: 
         return _affine_emulated(qg.astype(mx.float32) * scale, kparts, vparts, tokens, plan, d, tables)
     part_o, part_lse, *_ = affine_split_kernel(plan, qg, kparts, vparts,
                                                *affine_params(plan, tokens, vparts[0].shape[2], scale),
-                                               mx.zeros((bh * plan.nchunk,), mx.uint32), tables)
+                                               unused_counter(bh * plan.nchunk), tables)
     return part_o, part_lse
 
 

@@ -65,6 +65,13 @@ def float_params(*values: float) -> mx.array:
     return mx.array(values + (0.0,) * (8 - len(values)), mx.float32)
 
 
+@lru_cache(maxsize=64)
+def unused_counter(size: int) -> mx.array:
+    """The zeros a split kernel that does not merge (MERGE = 0) takes as its counter and never reads: kept, so a
+    decode step does not make and upload a new array for it."""
+    return mx.zeros((size,), mx.uint32)
+
+
 def chunks(nq: int, qb_max: int) -> tuple[int, int]:
     qb = max(1, min(nq, qb_max))
     return qb, (nq + qb - 1) // qb
