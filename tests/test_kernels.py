@@ -18,6 +18,7 @@ import mlx.core as mx
 import pytest
 from conftest import random_kv
 
+from gmlx_lab.cache import kernel_route
 from gmlx_lab.cache.affine.cache import AffineCache, AffineRotCache
 from gmlx_lab.cache.attention import grouped_attention
 from gmlx_lab.cache.kvarn.cache import KvarnCache
@@ -613,6 +614,32 @@ def test_block_kernel_fused_matches_emulation(case: tuple) -> None:
     c.attention_path = "fused"
     got = c.attend(q, keys, values, d**-0.5, mask)
     assert got.dtype == q.dtype and _rel(got, want) < KERNEL_TOL
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["kivi4", "turboquant:k3v4", "mxfp8"])
+def test_a_block_call_is_kept_across_decode_steps_and_stays_right(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps through blocks being sealed and buffers growing: each step's fused output matches the reference
+    path's, and a prepared call is made again only when the blocks reach a new 128-token tile or the buffers grow."""
+    made = []
+    real = kernel_route.BlockCall
+
+    def counting(*args, **kwargs):
+        made.append(args[3])  # the block count it was made for
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_route, "BlockCall", counting)
+    name, options = parse_scheme_spec(spec)
+    c = get_scheme(name).make_cache(options)
+    c.update_and_fetch(*random_kv(500, 2, 128, seed=5))
+    for step in range(80):
+        keys, values = c.update_and_fetch(*random_kv(1, 2, 128, seed=100 + step))
+        q = mx.random.normal((1, 4, 1, 128))
+        c.attention_path = "fused"
+        out = c.attend(q, keys, values, 128**-0.5, None)
+        c.attention_path = "reference"
+        assert _rel(out, c.attend(q, keys, values, 128**-0.5, None)) < 5e-3, step
+    assert 1 < len(made) <= 4, made  # 15 to 18 blocks: one or two tiles, one buffer growth
 
 
 @pytest.mark.parametrize("spec", ["kivi4", "turboquant4", "turboquant:bits=4,qjl=1", "nvfp4"])

@@ -20,10 +20,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import affine_supported, block_partials, merge_fp16, value_tables
+from ..kernels import BlockLayout, value_tables
 from ..registry import Option, register_scheme
 from .block import BlockCache, BlockScheme
-from .kernel_route import KernelRoute
+from .kernel_route import BlockKernelRoute
 from .options import with_sink
 
 FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group_size) -> mx.quantize mode
@@ -63,13 +63,12 @@ def format_tables(bits: int, group_size: int) -> mx.array:
     return value_tables(values, values, scales)
 
 
-class FloatCache(KernelRoute, BlockCache):
+class FloatCache(BlockKernelRoute, BlockCache):
     """Each token's K/V row as microscaling floats (codes in uint32 words, one uint8 scale per group)."""
 
     scheme = "float"
     block_tokens = 32
     body_step = 8  # the blocks' buffers grow 256 tokens at a time, as mlx-lm's caches do: a step writes in place
-    KERNELS = ("affine_decode",)  # looking codes and scale bytes up (kernels/blocks.py)
     OPTIONS = (
         Option("bits", 4, "value width: 4 (E2M1) or 8 (E4M3)", (4, 8)),
         Option("group_size", 32, "values sharing one 8-bit scale: 32 (mxfp4, mxfp8) or 16 (nvfp4)", (16, 32)),
@@ -106,20 +105,12 @@ class FloatCache(KernelRoute, BlockCache):
         return mx.dequantize(codes, scales, group_size=self.group_size, bits=self.bits, mode=self.mode,
                              dtype=mx.float32)
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        """From the codes on a GPU: the fused kernel over the blocks (the queries rotated in and its output back
-        with `rotation`), merged with the fp16 tokens' attention; elsewhere, or before the first block, the
-        reference path over the fetched K/V."""
-        route = self.kernel_route(self.n_blocks > 0 and affine_supported(queries, mask), "affine_decode")
-        if route is None:
-            return super().attend(queries, keys, values, scale, mask)
-        emulate = route == "emulated"
-        body = [[codes.data, scales.data, scales.data] for codes, scales in self.body_buffers]  # no offsets
-        part_o, part_lse = block_partials(self.rotate(queries), scale, body, self.n_blocks, (self.bits, self.bits),
-                                          self.group_size, tables=format_tables(self.bits, self.group_size),
-                                          emulate=emulate)
-        return merge_fp16(self.unrotate(part_o), part_lse, self.fp16_attention(queries, scale, mask), queries.shape,
-                          queries.dtype, emulate)
+    def kernel_layout(self) -> BlockLayout:
+        """The blocks as affine_decode reads them: codes and byte scales looked up in the format's tables, no
+        offsets, Hadamard-rotated with `rotation`."""
+        body = [[codes.data, scales.data, scales.data] for codes, scales in self.body_buffers]
+        return BlockLayout(body, (self.bits, self.bits), self.group_size, tables=format_tables(self.bits,
+                           self.group_size), rotation="hadamard" if self.rotation else "none")
 
 
 class FloatScheme(BlockScheme):

@@ -1,6 +1,8 @@
-"""Kernel routing, a mixin only the schemes with fused GPU kernels inherit (kvarn, affine): which path `attend` takes
-(the fused kernel, its emulation or the pure-MLX reference), whether a kernel passed its self-check, and the fused
-call a decode step keeps. A pure-MLX scheme never imports this module, so it never loads the kernel layer.
+"""Kernel routing, mixins only the schemes with fused GPU kernels inherit: which path `attend` takes (the fused
+kernel, its emulation or the pure-MLX reference), whether a kernel passed its self-check, and the fused call a
+decode step keeps (`KernelRoute`: kvarn, affine); and the attention of block caches whose blocks affine's kernel
+reads (`BlockKernelRoute`: KIVI, TurboQuant, the floats). A pure-MLX scheme never imports this module, so it never
+loads the kernel layer.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import active_backend, precompiled, selfcheck
+from ..kernels import BlockCall, BlockLayout, active_backend, affine_supported, block_attend, precompiled, selfcheck
 
 
 class KernelRoute:
@@ -80,3 +82,29 @@ class KernelRoute:
         call = make()
         self._call = (objects, values, call)
         return call
+
+
+class BlockKernelRoute(KernelRoute):
+    """For a block cache whose blocks affine_decode reads in place (KIVI, TurboQuant, the floats: kernels/blocks.py):
+    `attend` from the codes merged with the fp16 tokens' attention, where `kernel_layout` gives the blocks' layout;
+    elsewhere (the CPU, no block yet, V rows wider or narrower than K's, a layout the kernel lacks) the base's
+    reference path."""
+
+    KERNELS = ("affine_decode",)
+
+    def kernel_layout(self) -> BlockLayout | None:
+        """What the kernel reads of the blocks, or None where it cannot read them."""
+        raise NotImplementedError
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        layout = self.kernel_layout() if self.n_blocks and values.shape[-1] == queries.shape[-1] else None
+        route = self.kernel_route(layout is not None and affine_supported(queries, mask), "affine_decode")
+        if route is None:
+            return super().attend(queries, keys, values, scale, mask)
+        fp16 = self.fp16_attention(queries, scale, mask)
+        if route == "emulated":
+            return block_attend(queries, scale, layout, self.n_blocks, fp16, emulate=True)
+        objects = tuple(x for parts in layout.body for x in parts)
+        call = self.kept_call(queries, scale, mask, objects, (-(-self.n_blocks // 4), fp16 is None),
+                              lambda: BlockCall(queries.shape, scale, layout, self.n_blocks, fp16 is not None))
+        return call(queries, self.n_blocks, fp16)

@@ -18,24 +18,23 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import affine_supported, block_partials, merge_fp16
+from ..kernels import BlockLayout
 from ..registry import Option, register_scheme
 from .block import BlockCache, BlockScheme
 from .buffers import STORE_DTYPE
-from .kernel_route import KernelRoute
+from .kernel_route import BlockKernelRoute
 from .options import split_widths, width_options, with_sink
 
 V_GROUP = 32  # channels of a V token sharing one scale and offset (KIVI's group size)
 KIVI_BITS = (2, 3, 4, 5, 6, 8)  # the widths mx.quantize's affine mode packs
 
 
-class KiviCache(KernelRoute, BlockCache):
+class KiviCache(BlockKernelRoute, BlockCache):
     """K per channel over blocks of 32 tokens, V per token in groups of 32 channels, both affine codes."""
 
     scheme = "kivi"
     block_tokens = 32  # the tokens a K channel's scale and offset span (KIVI's group size)
     body_step = 8  # the blocks' buffers grow 256 tokens at a time, as mlx-lm's caches do: a step writes in place
-    KERNELS = ("affine_decode",)  # in its per-channel K layout (kernels/blocks.py)
     OPTIONS = (
         *width_options(2, KIVI_BITS),
         Option("kv_tail_tokens", 128, "newest tokens kept fp16 (HF's residual_length)"),
@@ -59,17 +58,10 @@ class KiviCache(KernelRoute, BlockCache):
             return x.swapaxes(-1, -2).astype(mx.float32)
         return mx.dequantize(codes, scales, biases, group_size=V_GROUP, bits=self.v_bits).astype(mx.float32)
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        """From the codes on a GPU (the fused kernel over the blocks, merged with the fp16 sink and recent tokens'
-        attention); elsewhere, or before the first block, the reference path over the fetched K/V."""
-        route = self.kernel_route(self.n_blocks > 0 and affine_supported(queries, mask), "affine_decode")
-        if route is None:
-            return super().attend(queries, keys, values, scale, mask)
-        emulate = route == "emulated"
-        body = [[b.data for b in bufs] for bufs in self.body_buffers]
-        parts = block_partials(queries, scale, body, self.n_blocks, (self.k_bits, self.v_bits), V_GROUP, kchan=True,
-                               emulate=emulate)
-        return merge_fp16(*parts, self.fp16_attention(queries, scale, mask), queries.shape, queries.dtype, emulate)
+    def kernel_layout(self) -> BlockLayout:
+        """The blocks as affine_decode reads them: K per channel over each block, V per token in groups of 32."""
+        return BlockLayout([[b.data for b in bufs] for bufs in self.body_buffers], (self.k_bits, self.v_bits), V_GROUP,
+                           kchan=True)
 
 
 class KiviScheme(BlockScheme):

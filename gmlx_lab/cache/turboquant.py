@@ -33,11 +33,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..kernels import affine_supported, block_partials, merge_fp16, value_tables
+from ..kernels import BlockLayout, value_tables
 from ..registry import Option, register_scheme
 from .block import BlockCache, BlockScheme
 from .buffers import STORE_DTYPE
-from .kernel_route import KernelRoute
+from .kernel_route import BlockKernelRoute
 from .options import split_widths, width_options, with_sink
 
 TURBOQUANT_BITS = (2, 3, 4, 8)
@@ -140,13 +140,24 @@ def qjl_matrix(seed: int, dim: int) -> mx.array:
     return mx.array((np.round(s * 1024) / 1024).astype(np.float32))
 
 
-class TurboQuantCache(KernelRoute, BlockCache):
+@lru_cache(maxsize=64)
+def codebook(bits: int, d: int) -> mx.array:
+    """The codebook of `bits` for head dim d: the Lloyd-Max centroids of N(0, 1) over sqrt(d), float32."""
+    return mx.array(gaussian_codebook(bits)[0].astype(np.float32)) / math.sqrt(d)
+
+
+@lru_cache(maxsize=64)
+def codebook_tables(k_bits: int, v_bits: int, d: int) -> mx.array:
+    """affine_decode's tables for K's and V's codebooks (QJL off: K's codebook has all of K's bits)."""
+    return value_tables(codebook(k_bits, d), codebook(v_bits, d))
+
+
+class TurboQuantCache(BlockKernelRoute, BlockCache):
     """Randomized Hadamard rotation per head, Lloyd-Max codes per coordinate, fp16 norms (QJL for K optional)."""
 
     scheme = "turboquant"
     block_tokens = 32
     body_step = 8  # the blocks' buffers grow 256 tokens at a time, as mlx-lm's caches do: a step writes in place
-    KERNELS = ("affine_decode",)  # reading codebook codes and norms (kernels/blocks.py)
     OPTIONS = (
         *width_options(4, TURBOQUANT_BITS),
         Option("qjl", 0, "1: K spends one bit on the QJL sign sketch of its residual (unbiased q.k)", (0, 1)),
@@ -166,31 +177,15 @@ class TurboQuantCache(KernelRoute, BlockCache):
     def unrotate(self, x: mx.array) -> mx.array:
         return mx.hadamard_transform(x) * head_signs(self.seed, x.shape[1], x.shape[-1])
 
-    def codebook(self, kind: str, d: int) -> mx.array:
-        """K's or V's codebook for head dim d: the Lloyd-Max centroids of N(0, 1) over sqrt(d), float32."""
-        return mx.array(gaussian_codebook(self.codebook_bits(kind))[0].astype(np.float32)) / math.sqrt(d)
-
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        """From the codes on a GPU: the queries rotated into the blocks' space, the fused kernel over the blocks,
-        its partial outputs rotated back and merged with the fp16 tokens' attention. Elsewhere, before the first
-        block, or with QJL, the reference path over the fetched K/V."""
-        supported = self.n_blocks > 0 and not self.qjl and affine_supported(queries, mask)
-        route = self.kernel_route(supported, "affine_decode")
-        if route is None:
-            return super().attend(queries, keys, values, scale, mask)
-        emulate = route == "emulated"
-        b, hq, length, d = queries.shape
+    def kernel_layout(self) -> BlockLayout | None:
+        """The blocks as affine_decode reads them: codes that index the codebooks, each token's norm its scale, in
+        the signed-Hadamard space; None with QJL, whose residual term the kernel does not read."""
+        if self.qjl:
+            return None
         body = [[codes.data, norms.data, norms.data] for codes, norms in self.body_buffers]  # no offsets to read
-        hkv = body[0][0].shape[1]
-        signs = head_signs(self.seed, hkv, d)  # each kv head's signs serve its query heads
-        q = mx.hadamard_transform(queries.astype(mx.float32).reshape(b, hkv, -1, d) * signs).reshape(queries.shape)
-        tables = value_tables(self.codebook("k", d), self.codebook("v", d))
-        part_o, part_lse = block_partials(q, scale, body, self.n_blocks, (self.codebook_bits("k"), self.v_bits), d,
-                                          tables=tables, emulate=emulate)
-        grouped = part_o.reshape(b, hkv, -1, d)
-        part_o = (mx.hadamard_transform(grouped) * signs).reshape(part_o.shape)
-        return merge_fp16(part_o, part_lse, self.fp16_attention(queries, scale, mask), queries.shape, queries.dtype,
-                          emulate)
+        hkv, d = body[0][0].shape[1], self._shape[2]
+        return BlockLayout(body, (self.codebook_bits("k"), self.v_bits), d, tables=codebook_tables(self.k_bits,
+                           self.v_bits, d), rotation="signed", signs=head_signs(self.seed, hkv, d))
 
     def codebook_bits(self, kind: str) -> int:
         """The codebook's width for K or V: the width, less the QJL bit for K with qjl."""
@@ -217,7 +212,7 @@ class TurboQuantCache(KernelRoute, BlockCache):
 
     def decode(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
         d = self.head_dim(parts[0], kind)
-        x = mx.take(self.codebook(kind, d), unpack_bits(parts[0], self.codebook_bits(kind), d))
+        x = mx.take(codebook(self.codebook_bits(kind), d), unpack_bits(parts[0], self.codebook_bits(kind), d))
         x = x * parts[1].astype(mx.float32)
         if kind == "k" and self.qjl:
             signs = unpack_bits(parts[2], 1, d).astype(mx.float32) * 2 - 1

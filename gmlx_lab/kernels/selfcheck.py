@@ -20,7 +20,7 @@ from ..cache.buffers import KV
 from ..cache.kvarn.records import KvarnParts, decode_tokens, encode_tokens, unpack_rows
 from . import config
 from .affine import affine_attend, affine_partials
-from .blocks import block_partials, merge_fp16, value_tables
+from .blocks import BlockCall, BlockLayout, block_attend, value_tables
 from .build import active_backend, forget_kernels, kernel_backend
 from .kvarn import kvarn_attend, kvarn_partials, kvarn_tokens, seal_records, unpack_records
 from .splits import group_queries, merge_splits
@@ -89,8 +89,8 @@ def _check_affine_decode() -> float:
 def _check_block_layouts() -> float:
     """The block caches' layouts against the emulation, with two query tokens and an fp16 tokens' attention to
     merge: KIVI's K (per channel over 32-token blocks, 3-bit codes crossing words) with 2-bit V; TurboQuant's
-    codebook codes (random words: every bit pattern is a code) times fp16 norms, 3-bit K and 8-bit V; and codes
-    with byte scales looked up in groups of 16 (nvfp4's)."""
+    codebook codes (random words: every bit pattern is a code) times fp16 norms, 3-bit K and 8-bit V, in a signed
+    Hadamard space; and codes with byte scales looked up in groups of 16 (nvfp4's), Hadamard-rotated."""
     mx.random.seed(14)
     k, v = (mx.random.normal((1, 2, 9, 32, 128)).astype(mx.float16) for _ in range(2))
     kivi = [list(mx.quantize(mx.contiguous(k.swapaxes(-1, -2)), group_size=32, bits=3)),
@@ -101,15 +101,17 @@ def _check_block_layouts() -> float:
     scale_bytes = mx.random.randint(0, 256, (1, 2, 9, 32, 8)).astype(mx.uint8)
     floats = [[words[4], scale_bytes, scale_bytes]] * 2
     table = mx.random.normal((256,)) * 0.1
-    layouts = ((kivi, (3, 2), 32, {"kchan": True}), (turbo, (3, 8), 128, {"tables": value_tables(table[:8], table)}),
-               (floats, (4, 4), 16, {"tables": value_tables(table[:16], table[16:32], mx.abs(table) + 0.5)}))
+    signs = mx.where(mx.random.normal((2, 1, 128)) > 0, 1.0, -1.0)
+    layouts = (BlockLayout(kivi, (3, 2), 32, kchan=True),
+               BlockLayout(turbo, (3, 8), 128, tables=value_tables(table[:8], table), rotation="signed", signs=signs),
+               BlockLayout(floats, (4, 4), 16, tables=value_tables(table[:16], table[16:32], mx.abs(table) + 0.5),
+                           rotation="hadamard"))
     q = mx.random.normal((1, 4, 2, 128)).astype(mx.float16)
     fp16 = mx.random.normal((1, 4, 2, 128)), mx.random.normal((1, 4, 2)) + 3.0  # attention over fp16 tokens, its lse
     errors = []
-    for body, bits, group, layout in layouts:
-        run = [merge_fp16(*block_partials(q, 0.09, body, 9, bits, group, emulate=e, **layout), fp16, q.shape, q.dtype,
-                          emulate=e) for e in (False, True)]
-        errors.append(_relative(*run))
+    for layout in layouts:  # as the caches run it (a kept call) against the emulation
+        got = BlockCall(q.shape, 0.09, layout, 9, True)(q, 9, fp16)
+        errors.append(_relative(got, block_attend(q, 0.09, layout, 9, fp16, emulate=True)))
     return max(errors)
 
 
