@@ -22,9 +22,8 @@ a call): every layer's cache receives random normal float16 K/V in chunks of `--
 holds the same values. Decode time does not depend on the values (no kernel branches on them). Decode feeds
 random token ids; the model is an mlx-lm `llama` with random weights (`model_decode.shaped_model`).
 Schemes: `mlx_lm_fp16` (mlx-lm's `KVCache`, the baseline of every ratio), `mlx_lm_affine4`/`mlx_lm_affine8`
-(mlx-lm's `QuantizedKVCache`, group 64, the peer) and any gmlx_lab scheme spec; the field's schemes (turboquant,
-float, kivi) decode on their reference path (the whole cache decoded to float16 each step), so the capacity run
-leaves them out unless named in `--capacity-schemes`.
+(mlx-lm's `QuantizedKVCache`, group 64, the peer) and any gmlx_lab scheme spec; the capacity run sizes the schemes
+named in `--capacity-schemes` (CAPACITY_SCHEMES by default).
 """
 
 from __future__ import annotations
