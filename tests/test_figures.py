@@ -172,6 +172,7 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "plan_figure": lambda: [viz.plan_figure(r.sensitivity, 0.5) for r in _plans("teaching-llama").values()],
     "plan_slider": lambda: [viz.plan_slider(r.sensitivity) for r in _plans("gemma3-270m").values()],
     "plan_versus_uniform": lambda: [viz.plan_versus_uniform(_plans(m)) for m in ("gemma3-270m", "teaching-llama")],
+    "storage_figure": lambda: [viz.storage_figure(["fp16", "affine4", "nvfp4", "turboquant4", "kivi4", "kvarn4"], "v")],
 }
 
 
@@ -420,3 +421,20 @@ def test_checker_flags_an_annotation_over_the_legend() -> None:
     clear.add_annotation(x=0.5, y=1.05, xref="paper", yref="paper", text="a note", showarrow=False)
     clear.add_annotation(x=1.05, y=0.95, xref="paper", yref="paper", text="a note", showarrow=False)
     assert viz.figure_problems(clear) == []
+
+
+def test_the_storage_diagram_draws_each_caches_own_scale_group() -> None:
+    """A patch of one shade is what a cache's `scale_group` says shares a scale: affine's 64 channels of one token,
+    KIVI's K channel across 32 tokens, TurboQuant's whole row; fp16 is grey throughout."""
+    from gmlx_lab.viz.diagrams import group_grid
+
+    affine = group_grid((1, 64))
+    assert (affine[:64, 0] == affine[0, 0]).all() and affine[64, 0] != affine[0, 0] and affine[0, 1] != affine[0, 0]
+    kivi_k = group_grid((32, 1))  # the window starts at token 128, a block boundary
+    assert (kivi_k[0, :32] == kivi_k[0, 0]).all() and kivi_k[0, 32] != kivi_k[0, 0] and kivi_k[1, 0] != kivi_k[0, 0]
+    whole = group_grid((1, 0))
+    assert (whole[:, 0] == whole[0, 0]).all() and whole[0, 1] != whole[0, 0]
+    assert (group_grid(None) == -1).all()
+    fig = viz.storage_figure(["kivi4", "affine4"], "kv")
+    titles = [a.text for a in fig.layout.annotations]
+    assert len(fig.data) == 3 and "32 tokens x 1 channel" in titles[0] and "1 token x 32 channels" in titles[1]

@@ -231,6 +231,11 @@ class GmlxCache(ArrivalChecks, RollingWindow, _BaseCache):
         """How this cache attends on this machine, in words (KernelRoute says more for a scheme with kernels)."""
         return "mlx.fast.scaled_dot_product_attention"
 
+    def scale_group(self, kind: str) -> tuple[int, int] | None:
+        """Which stored values of K ("k") or V ("v") share one scale, as (tokens, channels) (0 channels: the whole
+        row); None where values are stored as they are (fp16). Notebook 11's storage diagram draws it."""
+        return None
+
     # -- contract ---------------------------------------------------------------------------------
     def size(self) -> int:
         return self.offset

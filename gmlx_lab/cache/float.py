@@ -97,6 +97,10 @@ class FloatCache(BlockKernelRoute, BlockCache):
     def unrotate(self, x: mx.array) -> mx.array:
         return mx.hadamard_transform(x) if self.rotation else x
 
+    def scale_group(self, kind: str) -> tuple[int, int]:
+        """One token's `group_size` channels share an 8-bit scale, in K and V."""
+        return 1, self.group_size
+
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, mx.array]:
         return mx.quantize(x, group_size=self.group_size, bits=self.bits, mode=self.mode)
 

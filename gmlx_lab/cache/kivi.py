@@ -58,6 +58,10 @@ class KiviCache(BlockKernelRoute, BlockCache):
             return x.swapaxes(-1, -2).astype(mx.float32)
         return mx.dequantize(codes, scales, biases, group_size=V_GROUP, bits=self.v_bits).astype(mx.float32)
 
+    def scale_group(self, kind: str) -> tuple[int, int]:
+        """K: one channel across a block's 32 tokens; V: one token's 32 channels (each with an offset too)."""
+        return (self.block_tokens, 1) if kind == "k" else (1, V_GROUP)
+
     def kernel_layout(self) -> BlockLayout:
         """The blocks as affine_decode reads them: K per channel over each block, V per token in groups of 32."""
         return BlockLayout([[b.data for b in bufs] for bufs in self.body_buffers], (self.k_bits, self.v_bits), V_GROUP,

@@ -177,6 +177,10 @@ class TurboQuantCache(BlockKernelRoute, BlockCache):
     def unrotate(self, x: mx.array) -> mx.array:
         return mx.hadamard_transform(x) * head_signs(self.seed, x.shape[1], x.shape[-1])
 
+    def scale_group(self, kind: str) -> tuple[int, int]:
+        """A token's whole rotated row shares its norm (the codebook is fixed), in K and V."""
+        return 1, 0
+
     def kernel_layout(self) -> BlockLayout | None:
         """The blocks as affine_decode reads them: codes that index the codebooks, each token's norm its scale, in
         the signed-Hadamard space; None with QJL, whose residual term the kernel does not read."""

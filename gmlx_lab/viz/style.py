@@ -358,7 +358,7 @@ def figure_problems(fig: go.Figure) -> list[str]:
         who = f"trace {i} ({tr.name or tr.type})"
         if hasattr(tr, "xaxis") and tr.type not in ("pie", "table"):
             used_axes.update({_axis_key(tr.xaxis or "x"), _axis_key(tr.yaxis or "y")})
-        in_legend = tr.showlegend is not False and tr.type not in ("heatmap", "contour", "table")
+        in_legend = getattr(tr, "showlegend", False) is not False and tr.type not in ("heatmap", "contour", "table")
         if in_legend and tr.name:
             if tr.name in legend_names:
                 problems.append(f"{who} repeats the legend name of trace {legend_names[tr.name]}")

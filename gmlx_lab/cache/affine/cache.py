@@ -105,6 +105,10 @@ class AffineCache(KernelRoute, BlockCache):
         """Why this cache cannot store rows of `head_dim` values, or None."""
         return group_problem(head_dim, self.group_size)
 
+    def scale_group(self, kind: str) -> tuple[int, int]:
+        """One token's `group_size` channels share a scale and an offset, in K and V."""
+        return 1, self.group_size
+
     def window_check(self, max_kv_size: int | None, where: str | None = None) -> None:
         """The shared rule of gmlx_lab/cache/window.py for fp16 tokens (the sink and one group): one-token blocks leave
         in whole groups whatever the tail."""

@@ -125,6 +125,11 @@ class KvarnCache(KernelRoute, BlockCache):
     def unrotate(self, x: mx.array) -> mx.array:
         return mx.hadamard_transform(x)
 
+    def scale_group(self, kind: str) -> tuple[int, int]:
+        """A record, 128 tokens by 128 channels: each value is scaled by its channel's and its token's factor (the
+        variance normalization), in K and V."""
+        return TILE, TILE
+
     def encode(self, x: mx.array, kind: str) -> tuple[mx.array, ...]:
         """Rotated blocks (B, H, 128, D) as one record each: codes and three axis vectors, fields (B, H, S, ...)."""
         bits = self.k_bits if kind == "k" else self.v_bits

@@ -1,0 +1,83 @@
+"""Drawn ideas: pictures of how a scheme stores a head's K or V, made from the caches' own geometry.
+
+    storage_figure(["fp16", "affine4", "kivi4", "kvarn4:tail=128"])   # which values share a scale, per scheme
+
+Each panel is a window of one head's stored values, channels down and tokens across, one pixel a value; values
+that share a scale take one shade of the scheme's colour and the next group the other, so the shape of a group
+is the shape of a patch. Values stored as they are (fp16) are grey. The group comes from the cache itself
+(`scale_group`), so the picture follows the scheme's code, not a description of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..registry import get_scheme
+from ..specs import parse_scheme_spec, scheme_label
+from .style import scheme_color, shade
+
+__all__ = ["FP16_GREY", "group_grid", "scale_group_words", "storage_figure"]
+
+FP16_GREY = "#c7c7c7"  # values stored as they are
+WINDOW = (128, 192)  # tokens drawn: past kvarn's 128-token fp16 sink, so every scheme shows its codes
+CHANNELS = 128  # one head's channels (the head dim the lab's kernels and figures take)
+
+
+def group_grid(group: tuple[int, int] | None, channels: int = CHANNELS, window: tuple[int, int] = WINDOW
+               ) -> np.ndarray:
+    """Which patch each value of the window belongs to, (channels, tokens) of 0 and 1 alternating from group to
+    group (a chequer of groups), or -1 everywhere for values stored as they are."""
+    tokens = np.arange(*window)
+    if group is None:
+        return np.full((channels, tokens.size), -1)
+    t, c = group
+    ch = np.arange(channels)[:, None]
+    return (ch // (c or channels) + tokens[None] // t) % 2
+
+
+def scale_group_words(group: tuple[int, int] | None) -> str:
+    """The group in words: "1 token x 64 channels", "32 tokens x 1 channel", "each value alone"."""
+    if group is None:
+        return "no scale: each value stored as fp16"
+    t, c = group
+    if (t, c) == (128, 128):
+        return "a record of 128 tokens x 128 channels, normalized together (a factor per channel and per token)"
+    channels = "the whole row" if c == 0 else f"{c} channel{'s' if c > 1 else ''}"
+    return f"{t} token{'s' if t > 1 else ''} x {channels}"
+
+
+def _image(grid: np.ndarray, color: str) -> np.ndarray:
+    """RGB pixels of a group grid: the scheme's colour and a lighter shade, grey for -1."""
+    def rgb(hex_color: str) -> np.ndarray:
+        return np.array([int(hex_color[i:i + 2], 16) for i in (1, 3, 5)], np.uint8)
+    palette = np.stack([rgb(shade(color, 0.1)), rgb(shade(color, 0.6)), rgb(FP16_GREY)])
+    return palette[grid]
+
+
+def storage_figure(specs: list[str], kinds: str = "k") -> go.Figure:
+    """One panel per scheme spec (and per kind, "k", "v" or "kv"; V drawn only where its group differs from K's):
+    a window of a head's stored values, a shade per group that shares a scale."""
+    panels = []
+    for spec in specs:
+        name, options = parse_scheme_spec(spec)
+        cache = get_scheme(name).make_cache(options)
+        label = scheme_label(name, options)
+        groups = {kind: cache.scale_group(kind) for kind in kinds}
+        for kind, group in groups.items():
+            if kind == "v" and "k" in groups and group == groups["k"]:
+                continue
+            panels.append((f"{label} {kind.upper()}", group, scheme_color(label)))
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.35 / len(panels),
+                        subplot_titles=[f"<b>{title}</b>: {scale_group_words(g)}" for title, g, _ in panels])
+    for row, (title, group, color) in enumerate(panels, start=1):
+        fig.add_trace(go.Image(z=_image(group_grid(group), color), x0=WINDOW[0], dx=1, y0=0, dy=1,
+                               hoverinfo="skip", name=title), row=row, col=1)
+        # stretch the pixels to the panel (an image keeps them square by default)
+        fig.update_yaxes(title_text="channel", tickvals=[0, 64, 127], scaleanchor=False, row=row, col=1)
+    fig.update_xaxes(title_text=f"token (tokens {WINDOW[0]}-{WINDOW[1] - 1} of a long context)", row=len(panels),
+                     col=1)
+    fig.update_layout(height=130 * len(panels) + 120, margin={"t": 80, "l": 70, "r": 20, "b": 60},
+                      title="Which stored values share one scale (a patch of one shade); grey: stored as fp16")
+    return fig
