@@ -43,7 +43,7 @@ def scale_group_words(group: tuple[int, int] | None) -> str:
         return "no scale: each value stored as fp16"
     t, c = group
     if (t, c) == (128, 128):
-        return "a record of 128 tokens x 128 channels, normalized together (a factor per channel and per token)"
+        return "a 128 x 128 record, normalized together (a factor per channel and per token)"
     channels = "the whole row" if c == 0 else f"{c} channel{'s' if c > 1 else ''}"
     return f"{t} token{'s' if t > 1 else ''} x {channels}"
 
