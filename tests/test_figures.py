@@ -172,8 +172,14 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "plan_figure": lambda: [viz.plan_figure(r.sensitivity, 0.5) for r in _plans("teaching-llama").values()],
     "plan_slider": lambda: [viz.plan_slider(r.sensitivity) for r in _plans("gemma3-270m").values()],
     "plan_versus_uniform": lambda: [viz.plan_versus_uniform(_plans(m)) for m in ("gemma3-270m", "teaching-llama")],
+    "kv_growth_figure": lambda: [viz.kv_growth_figure(list("abcdef"), _causal(6))],
     "storage_figure": lambda: [viz.storage_figure(["fp16", "affine4", "nvfp4", "turboquant4", "kivi4", "kvarn4"], "v")],
 }
+
+
+def _causal(n: int) -> np.ndarray:
+    """Causal attention weights spread evenly: row t over tokens 0..t."""
+    return np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None]
 
 
 def _plans(model: str) -> dict:
@@ -438,3 +444,10 @@ def test_the_storage_diagram_draws_each_caches_own_scale_group() -> None:
     fig = viz.storage_figure(["kivi4", "affine4"], "kv")
     titles = [a.text for a in fig.layout.annotations]
     assert len(fig.data) == 3 and "32 tokens x 1 channel" in titles[0] and "1 token x 32 channels" in titles[1]
+
+
+def test_the_growth_diagram_refuses_weights_that_see_the_future() -> None:
+    with pytest.raises(ValueError, match="causal weights"):
+        viz.kv_growth_figure(list("abc"), np.full((3, 3), 1 / 3))
+    fig = viz.kv_growth_figure(list("abcd"), _causal(4))
+    assert [len(f.data[1].x) for f in fig.frames] == [1, 2, 3, 4]  # one more K row a step

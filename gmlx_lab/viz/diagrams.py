@@ -1,11 +1,13 @@
 """Drawn ideas: pictures of how a scheme stores a head's K or V, made from the caches' own geometry.
 
     storage_figure(["fp16", "affine4", "kivi4", "kvarn4:tail=128"])   # which values share a scale, per scheme
+    kv_growth_figure(pieces, probs)                                   # decoding writes one K and V row a step
 
-Each panel is a window of one head's stored values, channels down and tokens across, one pixel a value; values
-that share a scale take one shade of the scheme's colour and the next group the other, so the shape of a group
-is the shape of a patch. Values stored as they are (fp16) are grey. The group comes from the cache itself
-(`scale_group`), so the picture follows the scheme's code, not a description of it.
+In `storage_figure` each panel is a window of one head's stored values, channels down and tokens across, one pixel
+a value; values that share a scale take one shade of the scheme's colour and the next group the other, so the
+shape of a group is the shape of a patch. Values stored as they are (fp16) are grey. The group comes from the cache
+itself (`scale_group`), so the picture follows the scheme's code, not a description of it. `kv_growth_figure`
+steps through a decode: the cache gains a K and a V row a token, and the newest token's query weighs every row.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from plotly.subplots import make_subplots
 
 from ..registry import get_scheme
 from ..specs import parse_scheme_spec, scheme_label
+from .figures import slider_figure
 from .style import scheme_color, shade
 
-__all__ = ["FP16_GREY", "group_grid", "scale_group_words", "storage_figure"]
+__all__ = ["FP16_GREY", "group_grid", "kv_growth_figure", "scale_group_words", "storage_figure"]
 
 FP16_GREY = "#c7c7c7"  # values stored as they are
 WINDOW = (128, 192)  # tokens drawn: past kvarn's 128-token fp16 sink, so every scheme shows its codes
@@ -81,3 +84,43 @@ def storage_figure(specs: list[str], kinds: str = "k") -> go.Figure:
     fig.update_layout(height=130 * len(panels) + 120, margin={"t": 80, "l": 70, "r": 20, "b": 60},
                       title="Which stored values share one scale (a patch of one shade); grey: stored as fp16")
     return fig
+
+
+K_COLOR, V_COLOR, NEW_COLOR = "#1f77b4", "#ff7f0e", "#d62728"  # K rows, V rows, the row this step wrote
+
+
+def _growth_step(pieces: list[str], probs: np.ndarray, t: int) -> go.Figure:
+    """Step t of a decode: tokens 0..t cached as K and V rows (the newest marked), and the attention weights of
+    token t's query over them."""
+    n = len(pieces)
+    cached = np.arange(t + 1)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.62, 0.38], vertical_spacing=0.08)
+    fig.add_bar(x=cached, y=probs[t, :t + 1], marker_color=[NEW_COLOR if i == t else "#7f7f7f" for i in cached],
+                name="attention weight", hovertemplate="token %{x}: weight %{y:.3f}<extra></extra>", row=1, col=1)
+    for y, name, color in ((1, "K rows", K_COLOR), (0, "V rows", V_COLOR)):
+        fig.add_scatter(x=cached, y=[y] * (t + 1), mode="markers", name=name, row=2, col=1,
+                        marker={"symbol": "square", "size": 16, "color": color,
+                                "line": {"color": [NEW_COLOR if i == t else color for i in cached], "width": 3}},
+                        hovertemplate=f"{name[0]} row of token %{{x}}<extra></extra>")
+    fig.update_xaxes(range=[-0.6, n - 0.4], row=1, col=1)
+    fig.update_xaxes(range=[-0.6, n - 0.4], tickvals=list(range(n)), ticktext=[repr(p)[1:-1] or " " for p in pieces],
+                     tickangle=-45, title_text="token (the text so far; red: this step's)", row=2, col=1)
+    fig.update_yaxes(title_text="weight", range=[0, 1], row=1, col=1)
+    fig.update_yaxes(title_text="cache", tickvals=[0, 1], ticktext=["V", "K"], range=[-0.6, 1.6], row=2, col=1)
+    fig.update_layout(height=460, margin={"t": 70, "b": 90},
+                      title=f"Step {t + 1}: the cache holds {t + 1} K and V rows; token {t}'s query weighs them all",
+                      legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"})
+    return fig
+
+
+def kv_growth_figure(pieces: list[str], probs: np.ndarray) -> go.Figure:
+    """A decode step by step (its slider): each step appends the new token's K and V rows to the cache, and its
+    query's softmax weights over every cached row are drawn above them. `pieces`: the tokens as text; `probs`:
+    (tokens, tokens) attention weights of one head, row t over keys 0..t (a causal softmax)."""
+    probs = np.asarray(probs, dtype=float)
+    n = len(pieces)
+    if probs.shape != (n, n) or np.any(np.triu(probs, 1) != 0):
+        raise ValueError(f"kv_growth_figure needs causal weights of shape ({n}, {n}) (one row a token, nothing above "
+                         f"the diagonal); got {probs.shape}")
+    steps = [_growth_step(pieces, probs, t) for t in range(n)]
+    return slider_figure(steps, [str(t + 1) for t in range(n)], "tokens cached: ", active=n // 2)
