@@ -431,7 +431,7 @@ SLIDE_EVERY_SLIDER = """async () => {
 
 def test_book_site_renders(browser: Browser, served_book) -> None:
     """Every page: its plotly figures drawn (live: each has its mode bar, and one shows a hover label), every
-    slider figure moving without a kernel (02, 03 and 04 have one), no script error, nothing fetched from outside
+    slider figure moving without a kernel (00 to 04 have one), no script error, nothing fetched from outside
     localhost, the run box with Binder and the two local commands; and the index links them all."""
     base, pages = served_book
     outside, errors, hovered = [], [], False
@@ -478,7 +478,8 @@ def test_book_site_renders(browser: Browser, served_book) -> None:
     finally:
         page.close()
     assert hovered, "no figure showed a hover label"
-    for name in ("02_hadamard.html", "03_kvarn_records.html", "04_sink_and_tail.html"):
+    for name in ("00_start_here.html", "01_affine.html", "02_hadamard.html", "03_kvarn_records.html",
+                 "04_sink_and_tail.html"):
         assert slid.get(name), f"{name}: no slider figure (frames computed at build time) in the book page"
     stuck = {name: moves for name, moves in slid.items() if not all(moves)}
     assert not stuck, f"slider figures that did not move without a kernel: {stuck}"
