@@ -429,13 +429,28 @@ SLIDE_EVERY_SLIDER = """async () => {
 }"""
 
 
+SHOWN_TOKENS = ("[...document.querySelectorAll('.gmlx-replay span[data-i]')]"
+                ".filter(s => s.style.display !== 'none').length")
+
+
+def _press_replay(page) -> tuple[int, int]:
+    """Press play on the live compare's replay: the tokens shown before (all of the run), and a moment after (it
+    starts again from none and adds one a step)."""
+    before = page.evaluate(SHOWN_TOKENS)
+    page.click(".gmlx-replay button")
+    page.wait_for_timeout(1200)
+    return before, page.evaluate(SHOWN_TOKENS)
+
+
 def test_book_site_renders(browser: Browser, served_book) -> None:
     """Every page: its plotly figures drawn (live: each has its mode bar, and one shows a hover label), every
-    slider figure moving without a kernel (00 to 04 have one), no script error, nothing fetched from outside
-    localhost, the run box with Binder and the two local commands; and the index links them all."""
+    slider figure moving without a kernel (00 to 04 have one), 06's live compare playing back when play is pressed,
+    no script error, nothing fetched from outside localhost, the run box with Binder and the two local commands;
+    and the index links them all."""
     base, pages = served_book
     outside, errors, hovered = [], [], False
     slid: dict[str, list[bool]] = {}  # each page's slider figures: did the last step change what is drawn?
+    replay = (0, 0)  # 06's live compare played back: tokens shown before pressing play, and a moment after
     shots = BOOK / "screenshots"
     shots.mkdir(exist_ok=True)
     page = browser.browser.new_page(viewport={"width": 1300, "height": 1600})
@@ -475,8 +490,11 @@ def test_book_site_renders(browser: Browser, served_book) -> None:
             if figures and not hovered:
                 hovered = _hover_label(page)
             slid[target.name] = page.evaluate(SLIDE_EVERY_SLIDER)
+            if target.name == "06_live_compare.html":
+                replay = _press_replay(page)
     finally:
         page.close()
+    assert replay[0] > 0 and 0 < replay[1] < replay[0], f"06's replay did not play back (tokens shown: {replay})"
     assert hovered, "no figure showed a hover label"
     for name in ("00_start_here.html", "01_affine.html", "02_hadamard.html", "03_kvarn_records.html",
                  "04_sink_and_tail.html"):

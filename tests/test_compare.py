@@ -171,3 +171,17 @@ def test_quick_model_is_gemma_on_a_gpu_and_the_bundled_model_on_a_cpu() -> None:
     name, why = quick_model()
     on_gpu = mx.default_device() == mx.gpu
     assert (name == "gemma3-270m") is on_gpu and ("GPU" if on_gpu else "CPU") in why
+
+
+def test_a_run_replays_without_a_kernel(bundled) -> None:
+    """`replay` holds every column's token spans (shaded, numbered for the player), all shown at first, with a play
+    button and a slider over the longest column; before any run it says what to do."""
+    model, tokenizer = bundled
+    idle = widgets.compare(model, tokenizer, autorun=False)
+    with pytest.raises(ValueError, match="no run to replay"):
+        idle.replay()
+    app = widgets.compare(model, tokenizer, context_tokens=0, max_tokens=4, schemes=["affine", "kvarn"])
+    page = app.replay().data
+    assert page.count("data-i='3'") == 3 and "data-i='4'" not in page  # fp16, affine, kvarn: 4 tokens each
+    assert "<button" in page and "type='range' min='0' max='4' value='4'" in page and "4 of 4 tokens" in page
+    assert page.count("<script>") == 1 and "KL(fp16" in page  # the player and the shade's key

@@ -19,7 +19,7 @@ from typing import Any
 import ipywidgets as W
 import numpy as np
 import plotly.graph_objects as go
-from IPython.display import display
+from IPython.display import HTML, display
 
 from .. import kv_inspect
 from ..live import TEMPERATURE, LiveColumn, LiveCompare, quantized_tokens
@@ -33,7 +33,7 @@ from ..viz.say import Say
 from .experiments import WIDTHS, DraftApp, PasskeyApp, SchemePicker, WeightsApp, draft_app, passkey_app, weights_app
 
 __all__ = ["CompareApp", "DraftApp", "ModelPicker", "PasskeyApp", "SchemePicker", "WeightsApp", "compare",
-           "draft_app", "kv_explorer", "model_picker", "passkey_app", "region_explorer", "weights_app"]
+           "draft_app", "kv_explorer", "model_picker", "passkey_app", "region_explorer", "replay_html", "weights_app"]
 
 
 class ModelPicker:
@@ -146,8 +146,50 @@ def _column_html(col: LiveColumn, reference: LiveColumn) -> str:
         shade = tradeoff_viz.kl_color(kl)
         style = (f"background:{shade};" if shade else "") + ("outline:2px solid #c00;" if i == diverge else "")
         text = html.escape(piece).replace("\n", "⏎<br>")
-        out.append(f"<span style='{style}' title='token {i}: KL {kl:.2e} nats'>{text}</span>")
+        out.append(f"<span data-i='{i}' style='{style}' title='token {i}: KL {kl:.2e} nats'>{text}</span>")
     return "".join(out)
+
+
+REPLAY_SCRIPT = """(function () {
+  const root = document.getElementById("%(id)s"), n = %(n)d;
+  const button = root.querySelector("button"), slider = root.querySelector("input");
+  const count = root.querySelector(".count");
+  const spans = root.querySelectorAll("span[data-i]");
+  let timer = null;
+  function show(k) {
+    spans.forEach(s => { s.style.display = (+s.dataset.i < k) ? "" : "none"; });
+    count.textContent = k + " of " + n + " tokens";
+  }
+  function stop() { clearInterval(timer); timer = null; button.textContent = "\u25b6 play"; }
+  slider.addEventListener("input", () => { if (timer) stop(); show(+slider.value); });
+  button.addEventListener("click", () => {
+    if (timer) { stop(); return; }
+    if (+slider.value >= n) slider.value = 0;
+    button.textContent = "\u275a\u275a pause";
+    timer = setInterval(() => {
+      slider.value = +slider.value + 1; show(+slider.value);
+      if (+slider.value >= n) stop();
+    }, 150);
+  });
+  show(+slider.value);
+})();"""
+
+
+def replay_html(columns: list[tuple[str, str]], tokens: int, key: str) -> str:
+    """A run's columns (label, the column's token spans from `_column_html`) as a page that plays them back without
+    a kernel: a play button and a slider over tokens; every token shows at first, so a page without scripts reads
+    the whole run. `key` makes the element's id unique on its page."""
+    boxes = "".join(
+        f"<div style='flex:1 1 0;min-width:0;padding:0 6px;border-left:3px solid {scheme_color(label)}'>"
+        f"<b style='color:{scheme_color(label)}'>{html.escape(label)}</b><div style='font-family:monospace;"
+        f"font-size:12px;line-height:1.5;margin-top:4px'>{spans}</div></div>" for label, spans in columns)
+    element = f"gmlx-replay-{key}"
+    return (f"<div id='{element}' class='gmlx-replay' style='font-family:sans-serif'>"
+            f"<div style='margin:4px 0'><button style='min-width:90px'>\u25b6 play</button> "
+            f"<input type='range' min='0' max='{tokens}' value='{tokens}' style='width:50%;vertical-align:middle'> "
+            f"<span class='count'>{tokens} of {tokens} tokens</span></div>"
+            f"<div style='display:flex;width:100%'>{boxes}</div></div>"
+            f"<script>{REPLAY_SCRIPT % {'id': element, 'n': tokens}}</script>")
 
 
 def _holds_html(col: LiveColumn) -> str:
@@ -376,6 +418,17 @@ class CompareApp:
             f"equal memory at {points[0].context} tokens: KL against cache size"))
         with self.strip:
             display(self.figure)
+
+    def replay(self) -> HTML:
+        """The last run's columns as a player that needs no kernel (`replay_html`): the book shows it where the app
+        itself is frozen, and it plays in JupyterLab too."""
+        if self.live is None:
+            raise ValueError("compare: no run to replay yet; press Generate (or make the app with autorun=True)")
+        ref = self.live.columns[0]
+        columns = [(col.label, _column_html(col, ref)) for col in self.live.columns]
+        key = f"{id(self):x}-{sum(len(c.tokens) for c in self.live.columns)}"
+        return HTML(replay_html(columns, max(len(c.tokens) for c in self.live.columns), key)
+                    + tradeoff_viz.kl_legend_html())
 
     def widget(self) -> W.Widget:
         box = W.VBox([self.prompt, W.HBox([self.context, self.max_tokens, self.temperature, self.seed]),
