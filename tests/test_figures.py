@@ -173,6 +173,7 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "plan_slider": lambda: [viz.plan_slider(r.sensitivity) for r in _plans("gemma3-270m").values()],
     "plan_versus_uniform": lambda: [viz.plan_versus_uniform(_plans(m)) for m in ("gemma3-270m", "teaching-llama")],
     "kv_growth_figure": lambda: [viz.kv_growth_figure(list("abcdef"), _causal(6))],
+    "fused_step_figure": lambda: [viz.fused_step_figure(s, 32768) for s in ("kvarn4:tail=128", "kivi2", "nvfp4")],
     "storage_figure": lambda: [viz.storage_figure(["fp16", "affine4", "nvfp4", "turboquant4", "kivi4", "kvarn4"], "v")],
 }
 

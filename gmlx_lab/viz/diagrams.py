@@ -2,6 +2,7 @@
 
     storage_figure(["fp16", "affine4", "kivi4", "kvarn4:tail=128"])   # which values share a scale, per scheme
     kv_growth_figure(pieces, probs)                                   # decoding writes one K and V row a step
+    fused_step_figure("kvarn4", 32768)                                # the reference path against the fused kernel
 
 In `storage_figure` each panel is a window of one head's stored values, channels down and tokens across, one pixel
 a value; values that share a scale take one shade of the scheme's colour and the next group the other, so the
@@ -21,7 +22,7 @@ from ..specs import parse_scheme_spec, scheme_label
 from .figures import slider_figure
 from .style import scheme_color, shade
 
-__all__ = ["FP16_GREY", "group_grid", "kv_growth_figure", "scale_group_words", "storage_figure"]
+__all__ = ["FP16_GREY", "fused_step_figure", "group_grid", "kv_growth_figure", "scale_group_words", "storage_figure"]
 
 FP16_GREY = "#c7c7c7"  # values stored as they are
 WINDOW = (128, 192)  # tokens drawn: past kvarn's 128-token fp16 sink, so every scheme shows its codes
@@ -124,3 +125,58 @@ def kv_growth_figure(pieces: list[str], probs: np.ndarray) -> go.Figure:
                          f"the diagonal); got {probs.shape}")
     steps = [_growth_step(pieces, probs, t) for t in range(n)]
     return slider_figure(steps, [str(t + 1) for t in range(n)], "tokens cached: ", active=n // 2)
+
+
+def _box(fig: go.Figure, x0: float, x1: float, y0: float, y1: float, text: str, color: str) -> None:
+    fig.add_shape(type="rect", x0=x0, x1=x1, y0=y0, y1=y1, fillcolor=shade(color, 0.75), line={"color": color})
+    fig.add_annotation(x=(x0 + x1) / 2, y=(y0 + y1) / 2, text=text, showarrow=False, font={"size": 12})
+
+
+def _arrow(fig: go.Figure, x0: float, x1: float, y: float, text: str) -> None:
+    fig.add_annotation(x=x1, y=y, ax=x0, ay=y, xref="x", yref="y", axref="x", ayref="y", showarrow=True,
+                       arrowhead=3, arrowsize=1.2, arrowwidth=1.5, text="")
+    fig.add_annotation(x=(x0 + x1) / 2, y=y + 0.09, text=text, showarrow=False, font={"size": 11})
+
+
+def fused_step_figure(spec: str, context: int, kv_heads: int = 8, head_dim: int = 128) -> go.Figure:
+    """One layer's decode attention two ways, with the bytes each moves at `context` tokens (the byte formulas):
+    the reference path decodes the whole cache to an fp16 copy, then attention reads that copy; the fused kernel
+    splits the tokens over threadgroups, each reading its slice of codes once, and merges their partial softmaxes."""
+    name, options = parse_scheme_spec(spec)
+    scheme = get_scheme(name)
+    label = scheme_label(name, options)
+    stored = scheme.layer_bytes(context, kv_heads, head_dim, head_dim, scheme.resolve(**options))
+    fp16 = get_scheme("fp16").layer_bytes(context, kv_heads, head_dim, head_dim, {})
+    mib = 2.0 ** 20
+    color, grey = scheme_color(label), "#7f7f7f"
+    fig = go.Figure()
+    for y, title in ((1.55, "reference path"), (0.45, "fused kernel")):
+        fig.add_annotation(x=0.0, y=y + 0.42, text=f"<b>{title}</b>", showarrow=False, xanchor="left",
+                           font={"size": 13})
+    # reference: codes -> decode -> fp16 copy -> attention
+    _box(fig, 0.0, 1.6, 1.3, 1.8, f"{label} cache<br>{stored / mib:.1f} MiB", color)
+    _arrow(fig, 1.6, 2.6, 1.55, "decode all")
+    _box(fig, 2.6, 4.2, 1.3, 1.8, f"fp16 copy<br>{fp16 / mib:.1f} MiB written", grey)
+    _arrow(fig, 4.2, 5.2, 1.55, "read it all")
+    _box(fig, 5.2, 6.6, 1.3, 1.8, "attention<br>(SDPA)", grey)
+    _arrow(fig, 6.6, 7.3, 1.55, "")
+    _box(fig, 7.3, 8.3, 1.3, 1.8, "output", grey)
+    # fused: codes -> slices in parallel -> partials -> merge -> output
+    _box(fig, 0.0, 1.6, 0.2, 0.7, f"{label} cache<br>{stored / mib:.1f} MiB", color)
+    for i, y in enumerate((0.72, 0.45, 0.18)):
+        fig.add_annotation(x=2.6, y=y, ax=1.6, ay=0.45, xref="x", yref="y", axref="x", ayref="y", showarrow=True,
+                           arrowhead=3, arrowwidth=1.2, text="")
+        _box(fig, 2.6, 4.8, y - 0.11, y + 0.11, "slice " + ("1", "2", "… N")[i] + ": scores, softmax, × V", color)
+        fig.add_annotation(x=5.6, y=0.45, ax=4.8, ay=y, xref="x", yref="y", axref="x", ayref="y", showarrow=True,
+                           arrowhead=3, arrowwidth=1.2, text="")
+    fig.add_annotation(x=3.7, y=0.93, text="each threadgroup reads its tokens' codes once", showarrow=False,
+                       font={"size": 11})
+    _box(fig, 5.6, 6.6, 0.2, 0.7, "merge<br>by log-sum-exp", grey)
+    _arrow(fig, 6.6, 7.3, 0.45, "")
+    _box(fig, 7.3, 8.3, 0.2, 0.7, "output", grey)
+    fig.update_xaxes(visible=False, range=[-0.1, 8.4])
+    fig.update_yaxes(visible=False, range=[0.0, 2.1])
+    fig.update_layout(height=380, margin={"t": 60, "l": 10, "r": 10, "b": 10}, plot_bgcolor="white",
+                      title=f"One layer's decode attention at {context} tokens ({kv_heads} KV heads of {head_dim}):"
+                            f"<br>the fused kernel never writes the {fp16 / mib:.0f} MiB fp16 copy")
+    return fig
