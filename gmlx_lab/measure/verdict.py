@@ -525,9 +525,10 @@ def summary(speeds: SpeedTable) -> list[str]:
            (f.of(label) for label in ("kvarn4 tail=1024", "affine4 g64")) if s.measured]
     text = "**Speed at batch 1.** The quantized caches decode at "
     if cpu:
+        slowest = min(cpu, key=lambda s: s.ratio)
         text += (f"{min(s.ratio for s in cpu):.2f}-{max(s.ratio for s in cpu):.2f}x fp16's tokens a second on this "
-                 f"project's CPU (`{cpu[0].file}`; KIVI, TurboQuant and the float formats slowest: they decode their "
-                 "whole cache every step)")
+                 f"project's CPU (`{cpu[0].file}`; slowest {slowest.measured_as}: on the CPU every cache is decoded "
+                 "whole each step, the fused kernels run on a GPU)")
     if gpu:
         text += ("; on the GPU " + " and ".join(f"{s.measured_as} at {s.ratio:.2f}x" for s in gpu)
                  + f" (`{gpu[0].file}`, {gpu[0].device})")
