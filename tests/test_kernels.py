@@ -642,6 +642,21 @@ def test_a_block_call_is_kept_across_decode_steps_and_stays_right(spec: str, mon
     assert 1 < len(made) <= 4, made  # 15 to 18 blocks: one or two tiles, one buffer growth
 
 
+@pytest.mark.parametrize("spec", ["kivi4", "nvfp4_rot", "turboquant:bits=4,kv_tail_tokens=64,sink_tokens=4"])
+def test_a_decode_steps_fetch_on_the_fused_route_is_the_full_fetch(spec: str) -> None:
+    """Where a decode step may take the fused route, the K/V it returns reuse the decoded blocks until the next
+    seal; they equal what a cache on the reference path returns for the same tokens, step after step."""
+    name, options = parse_scheme_spec(spec)
+    fused, plain = (get_scheme(name).make_cache(options) for _ in range(2))
+    fused.attention_path, plain.attention_path = "fused", "reference"
+    for c in (fused, plain):
+        c.update_and_fetch(*random_kv(300, 2, 128, seed=7))
+    for step in range(70):  # two blocks sealed on the way
+        token = random_kv(1, 2, 128, seed=200 + step)
+        got, want = fused.update_and_fetch(*token), plain.update_and_fetch(*token)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want)), step
+
+
 @pytest.mark.parametrize("spec", ["kivi4", "turboquant4", "turboquant:bits=4,qjl=1", "nvfp4"])
 def test_a_block_cache_takes_the_reference_path_where_the_kernel_does_not_apply(spec: str) -> None:
     """Before its first block a cache is all fp16, and TurboQuant's QJL has no fused form: the "emulated" route

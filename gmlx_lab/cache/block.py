@@ -141,6 +141,16 @@ class BlockRegions:
             out += [("newest block's fp16 copy", kind, x) for kind, x in zip("KV", self.rollback)]
         return out
 
+    def decoded_prefix(self, dtype: mx.Dtype) -> KV:
+        """The sink and the decoded body, K and V in the model's space and `dtype`: every token before the recent
+        ones, as `fetch` returns them (a cache rotating on arrival has rotated sink and body)."""
+        pieces = [KV(*(x.astype(dtype) for x in self.sink))] if self.sink is not None else []
+        if self.body is not None:
+            body = KV(*(self._decode_blocks(parts, kind) for parts, kind in zip(self.body, "kv")))
+            pieces.append(KV(*(x.astype(dtype) for x in (body if self.rotate_on_arrival else map(self.unrotate,
+                                                                                                  body)))))
+        return KV(*(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2) for xs in zip(*pieces)))
+
     def fp16_attention(self, queries: mx.array, scale: float, mask: Any) -> tuple[mx.array, mx.array] | None:
         """Float32 attention of queries (B, Hq, L, D) over the fp16 sink and recent tokens as stored, and its
         log-sum-exp (`grouped_attention`), or None where there are none: what a kernel over the blocks merges with.

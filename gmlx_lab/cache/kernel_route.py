@@ -12,7 +12,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import BlockCall, BlockLayout, active_backend, affine_supported, block_attend, precompiled, selfcheck
+from ..kernels import (
+    MAX_QUERY_TOKENS,
+    BlockCall,
+    BlockLayout,
+    active_backend,
+    affine_supported,
+    block_attend,
+    precompiled,
+    selfcheck,
+)
+from .buffers import KV
 
 
 class KernelRoute:
@@ -91,6 +101,7 @@ class BlockKernelRoute(KernelRoute):
     reference path."""
 
     KERNELS = ("affine_decode",)
+    _prefix: tuple[Any, Any, KV] | None = None  # the decoded sink and body a decode step's fetch reuses
 
     def kernel_layout(self) -> BlockLayout | None:
         """What the kernel reads of the blocks, or None where it cannot read them."""
@@ -108,3 +119,20 @@ class BlockKernelRoute(KernelRoute):
         call = self.kept_call(queries, scale, mask, objects, (-(-self.n_blocks // 4), fp16 is None),
                               lambda: BlockCall(queries.shape, scale, layout, self.n_blocks, fp16 is not None))
         return call(queries, self.n_blocks, fp16)
+
+    def fetch(self, dtype: mx.Dtype = mx.float32) -> KV:
+        """Every token's K and V, as the block base fetches them. For a decode step that may take the fused route,
+        which never reads them, the decoded sink and body are built as a graph once per change of the blocks and
+        reused (evaluated only if the model reads the K/V itself, then kept until the next block is sealed): a
+        step builds a concatenation with the recent tokens, not a decode of every block."""
+        if not (self.body is not None and self.arrived <= MAX_QUERY_TOKENS and self.may_fuse()):
+            return super().fetch(dtype)
+        kept = self._prefix
+        if kept is None or kept[0] is not self.body or kept[1] is not self.sink or kept[2].k.dtype != dtype:
+            kept = self._prefix = (self.body, self.sink, self.decoded_prefix(dtype))
+        prefix = kept[2]
+        if not self.recent_count:
+            return prefix
+        recent = (buf.view(self.recent_count) for buf in self.recent)
+        return KV(*(mx.concatenate([p, r if r.dtype == dtype else r.astype(dtype)], axis=2)
+                    for p, r in zip(prefix, recent)))
