@@ -273,8 +273,9 @@ class Policy:
         if self.quantized and precompiled.note():
             notes.append(precompiled.note())
         cls = get_scheme(self.scheme).cache_class
-        if self.quantized and isinstance(cls, type) and issubclass(cls, GmlxCache) and cls.decode_path():
-            notes.append(f"{self.scheme}: {cls.decode_path()}")  # no fused GPU kernel: say so (GmlxCache.decode_path)
+        path = cls.decode_path(self.options) if isinstance(cls, type) and issubclass(cls, GmlxCache) else ""
+        if self.quantized and path:
+            notes.append(f"{self.scheme}: {path}")  # no fused GPU kernel here: say so (GmlxCache.decode_path)
         said: dict[str, list[int]] = {}  # overrides not among the fp16 reasons already (quantized, not attention)
         for d in self.layers:
             if OVERRIDE in d.reason and not (d.grows and d.decision == BASELINE):

@@ -222,9 +222,10 @@ class GmlxCache(ArrivalChecks, RollingWindow, _BaseCache):
         return keys, values
 
     @classmethod
-    def decode_path(cls) -> str:
-        """How a quantized layer of this class attends at decode, for the [kv] line: '' when it has a fused GPU
-        kernel (`KERNELS`), else that it takes the reference path. A plug-in without kernels says so by default."""
+    def decode_path(cls, options: dict[str, Any] | None = None) -> str:
+        """How a quantized layer of this class with these options attends at decode, for the [kv] line: '' when
+        it has a fused GPU kernel (`KERNELS`), else that it takes the reference path. A plug-in without kernels says
+        so by default."""
         return "" if cls.KERNELS else "reference decode path (dequantize, then SDPA; no fused kernel)"
 
     def attention_route(self) -> str:

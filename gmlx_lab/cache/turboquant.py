@@ -181,6 +181,13 @@ class TurboQuantCache(BlockKernelRoute, BlockCache):
         """A token's whole rotated row shares its norm (the codebook is fixed), in K and V."""
         return 1, 0
 
+    @classmethod
+    def decode_path(cls, options: dict[str, Any] | None = None) -> str:
+        """With QJL the reference path: the fused kernel does not read the sign sketch."""
+        if options and options.get("qjl"):
+            return "reference decode path with QJL (dequantize, then SDPA; the fused kernel reads no sign sketch)"
+        return super().decode_path(options)
+
     def kernel_layout(self) -> BlockLayout | None:
         """The blocks as affine_decode reads them: codes that index the codebooks, each token's norm its scale, in
         the signed-Hadamard space; None with QJL, whose residual term the kernel does not read."""
