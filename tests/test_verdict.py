@@ -359,7 +359,9 @@ def test_speeds_are_read_side_by_side_from_the_committed_files() -> None:
     gpu = speeds.of("kvarn4 tail=128")[0]
     assert gpu.measured and gpu.measured_as == "kvarn4 tail=1024" and "read from kvarn4 tail=1024" in gpu.text()
     assert 0 < gpu.ratio < 2 and gpu.step_ms.n >= 60
-    cpu = speeds.first("kivi4 tail=128")  # the GPU files have no KIVI row: the CPU's is the first measured
+    kivi = speeds.first("kivi4 tail=128")  # the GPU at batch 1 measured KIVI (its fused kernel): read first
+    assert kivi.tag == "GPU b1" and kivi.measured
+    cpu = speeds.first("kivi8 tail=128")  # the GPU files have no 8-bit KIVI row: the CPU's is the first measured
     assert cpu.tag == "CPU b1" and cpu.measured
     lost = speeds.first("nosuch9")
     assert not lost.measured and lost.short() == "unmeasured" and "no row in" in lost.text()

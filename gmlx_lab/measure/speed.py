@@ -41,7 +41,7 @@ class Source:
 # The current code's runs: a newer run of the same setting replaces its file here (and the old file goes to
 # docs/history with the text that cited it).
 SOURCES: tuple[Source, ...] = (
-    Source("GPU, batch 1", "model_decode-427c680-h200.json", 32768),
+    Source("GPU, batch 1", "model_decode-573cd00-h100-80gb-hbm3.json", 32768),
     Source("GPU, batch 8", "batch_capacity-w16-8x32k-h200.json", 32768),
     Source("CPU, batch 1", "model_decode-cpu.json", 4096),
 )
