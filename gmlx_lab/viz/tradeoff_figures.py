@@ -18,7 +18,8 @@ from plotly.subplots import make_subplots
 
 from ..measure.tradeoff import TradeoffPoint
 from ..registry import BASELINE
-from .figures import scheme_color
+from .field_figures import place_labels
+from .figures import LABEL_BACKGROUND, scheme_color
 from .style import context_ticks, log_ticks, num, shade, trace_styles
 
 __all__ = ["KL_SCALE", "kl_color", "kl_legend_html", "published_vs_ours_figure", "size_figure", "tradeoff_figure"]
@@ -102,24 +103,34 @@ def tradeoff_figure(points: Sequence[TradeoffPoint], title: str | None = None, h
                       xaxis_title=x_title, yaxis_title="decode median KL vs fp16 (nats)",
                       legend_title_text="scheme (width in bits)")
     style = _family_styles(rest)
-    for i, fam in enumerate(style):
+    x_range = [start, widest + (widest - start) * 0.1]
+    # each width's label beside its marker where it covers nothing, else on an arrow to a free place (hover: none)
+    placed = place_labels([(p.bytes_per_token / 1024, p.kl, str(p.width)) for p in rest], x_range,
+                          width_px=620, height_px=height - 150)
+    places = {id(p): placed[i] for i, p in enumerate(rest) if i in placed}
+    for fam in style:
         for split in (False, True):
             pts = sorted((p for p in rest if p.family == fam and p.split == split),
                          key=lambda p: (p.bytes_per_token, -p.kl))
             if not pts:
                 continue
-            side = ("middle right" if crowded and i % 2 else "middle left" if crowded
-                    else "bottom center" if i % 2 else "top center")
+            color = style[fam]["color"]
             fig.add_scatter(
                 x=[p.bytes_per_token / 1024 for p in pts], y=[p.kl for p in pts],
                 name=f"{fam}, K and V widths differ" if split else fam,
-                mode="markers+text" if split else "lines+markers+text", text=[p.width for p in pts],
-                # split points often share their bytes: labels alternate above and below, the higher one above
-                textposition=[("top right", "bottom right")[j % 2] for j in range(len(pts))] if split else side,
+                mode="markers+text" if split else "lines+markers+text",
+                text=[p.width if id(p) in places and places[id(p)] is None else "" for p in pts],
+                textposition="middle right", textfont={"color": color},
                 marker={"size": 10 if split else 8, "symbol": "diamond-open" if split else style[fam]["symbol"],
-                        "color": style[fam]["color"]},
-                line={"color": style[fam]["color"], "dash": style[fam]["dash"]}, customdata=[p.label for p in pts],
+                        "color": color},
+                line={"color": color, "dash": style[fam]["dash"]}, customdata=[p.label for p in pts],
                 hovertemplate="%{customdata}: %{x:.2f} KiB/token, KL %{y:.2e} nats<extra></extra>")
+            for p in pts:
+                place = places.get(id(p))
+                if place is not None:
+                    fig.add_annotation(x=p.bytes_per_token / 1024, y=math.log10(p.kl), text=str(p.width),
+                                       ax=place[0], ay=-place[1], showarrow=True, arrowhead=0, arrowwidth=1,
+                                       arrowcolor=color, font={"size": 11, "color": color}, bgcolor=LABEL_BACKGROUND)
     fig.add_vline(x=ref / 1024, line_dash="dot", line_color=scheme_color(BASELINE))
     fig.add_annotation(x=ref / 1024, y=1, yref="paper", yanchor="bottom", xanchor="right", showarrow=False,
                        text=f"fp16 {ref / 1024:.3g} KiB/token", font={"size": 11})  # above the points
