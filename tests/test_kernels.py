@@ -979,24 +979,3 @@ def test_a_graph_function_compiles_once_per_key_and_reads_every_array_at_each_ca
     monkeypatch.setattr(build, "active_backend", lambda: "cpu")
     assert build.graph_function(graph, 2.0)(x, mx.array([5.0])).tolist() == [7.0] * 4
     assert traced == [2.0, 3.0, 2.0]
-
-
-def test_the_fp16_tokens_attention_compiles_once_for_every_count() -> None:
-    """`fp16_partial` reads the whole recent buffer and masks its unused rows by a count array, so one compiled
-    graph (as a GPU's kept call replays it) serves every count: each matches plain attention over the rows in use."""
-    from functools import partial
-
-    from gmlx_lab.kernels.blocks import Fp16Tokens, fp16_partial
-    from gmlx_lab.kernels.splits import int_params
-
-    mx.random.seed(3)
-    sink, recent_k, recent_v = (mx.random.normal((1, 2, n, 64)) for n in (4, 48, 48))
-    q = mx.random.normal((1, 4, 2, 64))
-    compiled = mx.compile(partial(lambda scale, *a: fp16_partial(q, scale, Fp16Tokens(*a)), 0.125))
-    for count in (2, 17, 48):
-        out, lse = compiled(sink, sink, recent_k, recent_v, int_params(count))
-        keys = mx.concatenate([sink, recent_k[:, :, :count]], axis=2)
-        values = mx.concatenate([sink, recent_v[:, :, :count]], axis=2)
-        want, want_lse = grouped_attention(q, keys, values, 0.125, "causal")
-        assert mx.allclose(out.reshape(want.shape), want, atol=1e-5).item(), count
-        assert mx.allclose(lse.reshape(want_lse.shape), want_lse, atol=1e-5).item(), count
