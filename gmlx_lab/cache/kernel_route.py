@@ -16,14 +16,12 @@ from ..kernels import (
     MAX_QUERY_TOKENS,
     BlockCall,
     BlockLayout,
-    Fp16Tokens,
     active_backend,
     affine_supported,
     block_attend,
     precompiled,
     selfcheck,
 )
-from ..kernels.splits import step_params
 from .buffers import KV
 
 
@@ -111,30 +109,16 @@ class BlockKernelRoute(KernelRoute):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         layout = self.kernel_layout() if self.n_blocks and values.shape[-1] == queries.shape[-1] else None
-        causal = queries.shape[2] == 1 or mask == "causal"  # the fp16 tokens' attention masks causally
-        route = self.kernel_route(layout is not None and causal and affine_supported(queries, mask), "affine_decode")
+        route = self.kernel_route(layout is not None and affine_supported(queries, mask), "affine_decode")
         if route is None:
             return super().attend(queries, keys, values, scale, mask)
-        fp16 = self.fp16_tokens()
+        fp16 = self.fp16_attention(queries, scale, mask)
         if route == "emulated":
             return block_attend(queries, scale, layout, self.n_blocks, fp16, emulate=True)
-        objects = tuple(x for parts in layout.body for x in parts) + (() if fp16 is None else tuple(fp16[:4]))
+        objects = tuple(x for parts in layout.body for x in parts)
         call = self.kept_call(queries, scale, mask, objects, (-(-self.n_blocks // 4), fp16 is None),
-                              lambda: BlockCall(queries.shape, scale, layout, self.n_blocks, fp16))
+                              lambda: BlockCall(queries.shape, scale, layout, self.n_blocks, fp16 is not None))
         return call(queries, self.n_blocks, fp16)
-
-    def fp16_tokens(self) -> Fp16Tokens | None:
-        """The fp16 tokens after the blocks as the kernel's graph reads them: the sink, and the recent buffers whole
-        with the count of the rows in use (a kept parameter array, no upload a step); None where there are none."""
-        recent = self.recent.k.data is not None
-        if self.sink is None and not recent:
-            return None
-        sink_k, sink_v = (None, None) if self.sink is None else self.sink
-        if recent:
-            recent_k, recent_v = self.recent.k.data, self.recent.v.data
-        else:
-            recent_k, recent_v = sink_k[:, :, :0], sink_v[:, :, :0]
-        return Fp16Tokens(sink_k, sink_v, recent_k, recent_v, step_params((self.recent_count,), 0))
 
     def fetch(self, dtype: mx.Dtype = mx.float32) -> KV:
         """Every token's K and V, as the block base fetches them. For a decode step that may take the fused route,

@@ -19,10 +19,9 @@ import mlx.core as mx
 
 from .affine import AffinePlan, affine_params, affine_partials, affine_plan, affine_split_kernel, value_tables
 from .build import graph_function
-from .splits import NEG_INF, float_params, group_queries, merge_splits, ungroup, unused_counter
+from .splits import float_params, group_queries, merge_splits, ungroup, unused_counter
 
-__all__ = ["BLOCK_TOKENS", "BlockCall", "BlockLayout", "Fp16Tokens", "block_attend", "block_partials", "fp16_partial",
-           "merge_fp16", "value_tables"]
+__all__ = ["BLOCK_TOKENS", "BlockCall", "BlockLayout", "block_attend", "block_partials", "merge_fp16", "value_tables"]
 
 BLOCK_TOKENS = 32  # tokens a KIVI, TurboQuant or float block holds
 ROTATIONS = ("none", "hadamard", "signed")  # how the blocks' space differs from the model's
@@ -73,42 +72,6 @@ def turn_out(part_o: mx.array, layout: BlockLayout, b: int) -> mx.array:
     return out
 
 
-class Fp16Tokens(NamedTuple):
-    """The fp16 tokens after the blocks, as the cache holds them: the sink's K and V (B, Hkv, S, D) or None, and the
-    recent buffers (B, Hkv, C, D), whose first `count` rows hold tokens (`count`: an int32 array, entry 0)."""
-
-    sink_k: mx.array | None
-    sink_v: mx.array | None
-    recent_k: mx.array
-    recent_v: mx.array
-    count: mx.array
-
-
-def fp16_partial(queries: mx.array, scale: float, tokens: Fp16Tokens) -> tuple[mx.array, mx.array]:
-    """The queries' attention over the fp16 tokens, grouped as the kernel's partials: out (B*Hkv, 1, G*L, D) float32
-    and its log-sum-exp (B*Hkv, 1, G*L). The whole recent buffer is read and its unused rows masked by `count`, so
-    the shapes stay the same from step to step (a compiled graph replays it); the queries, the newest L tokens,
-    see every fp16 token before theirs (causal)."""
-    b, hq, length, d = queries.shape
-    keys, values = tokens.recent_k, tokens.recent_v
-    sink = 0 if tokens.sink_k is None else tokens.sink_k.shape[2]
-    if sink:
-        keys = mx.concatenate([tokens.sink_k, keys], axis=2)
-        values = mx.concatenate([tokens.sink_v, values], axis=2)
-    hkv, total = keys.shape[1], keys.shape[2]
-    q = group_queries(queries.astype(mx.float32) * scale, hkv).reshape(b, hkv, -1, d)  # (B, Hkv, G*L, D)
-    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, G*L, S + C)
-    last = sink + tokens.count[0] - length + mx.arange(length)  # the last position each query token sees
-    seen = mx.arange(total)[None] <= mx.tile(last, (hq // hkv,))[:, None]  # (G*L, S + C)
-    top = mx.max(mx.where(seen, scores, NEG_INF), axis=-1, keepdims=True)
-    top = mx.where(top == NEG_INF, 0.0, top)
-    weights = mx.where(seen, mx.exp(scores - top), 0.0)
-    den = mx.sum(weights, axis=-1, keepdims=True)
-    out = (weights @ values.astype(mx.float32)) / mx.maximum(den, 1e-30)
-    lse = mx.where(den > 0, top + mx.log(mx.maximum(den, 1e-30)), NEG_INF)[..., 0]
-    return out.reshape(b * hkv, 1, -1, d), lse.reshape(b * hkv, 1, -1)
-
-
 def block_partials(queries: mx.array, scale: float, layout: BlockLayout, blocks: int, emulate: bool = False
                    ) -> tuple[mx.array, mx.array]:
     """Split partials (B*Hkv, NSPLIT, G*L, D), in the model's space, and their log-sum-exps over the first `blocks`
@@ -126,33 +89,33 @@ def block_partials(queries: mx.array, scale: float, layout: BlockLayout, blocks:
 
 def merge_fp16(part_o: mx.array, part_lse: mx.array, fp16: tuple[mx.array, mx.array] | None, shape: tuple[int, ...],
                dtype: mx.Dtype, emulate: bool = False) -> mx.array:
-    """The blocks' partials merged with `fp16`, the queries' attention over the fp16 tokens as `fp16_partial` gives
-    it (or None): the attention output (B, Hq, L, D) of `shape`, in `dtype`."""
+    """The blocks' partials merged with `fp16`, the queries' attention over the fp16 tokens (B, Hq, L, D) and its
+    log-sum-exp (B, Hq, L), or None: the attention output (B, Hq, L, D) of `shape`, in `dtype`."""
     b, hq, length, _ = shape
     if fp16 is not None:
-        part_o = mx.concatenate([part_o, fp16[0]], axis=1)
-        part_lse = mx.concatenate([part_lse, fp16[1]], axis=1)
+        out, lse = fp16
+        hkv = part_o.shape[0] // b
+        part_o = mx.concatenate([part_o, group_queries(out, hkv)[:, None].astype(mx.float32)], axis=1)
+        part_lse = mx.concatenate([part_lse, lse.reshape(b * hkv, 1, -1)], axis=1)
     out, _ = merge_splits(part_o, part_lse, dtype=dtype, emulate=emulate)
     return ungroup(out, b, hq, length)
 
 
-def block_attend(queries: mx.array, scale: float, layout: BlockLayout, blocks: int, fp16: Fp16Tokens | None,
-                 emulate: bool = False) -> mx.array:
-    """Attention over the blocks and the fp16 tokens after them, in the queries' dtype, built op by op (the
+def block_attend(queries: mx.array, scale: float, layout: BlockLayout, blocks: int,
+                 fp16: tuple[mx.array, mx.array] | None, emulate: bool = False) -> mx.array:
+    """Attention over the blocks and the fp16 tokens (`merge_fp16`), in the queries' dtype, built op by op (the
     emulation, and a first step); a decode step on a GPU keeps a `BlockCall` instead."""
     part_o, part_lse = block_partials(queries, scale, layout, blocks, emulate)
-    partial = None if fp16 is None else fp16_partial(queries, scale, fp16)
-    return merge_fp16(part_o, part_lse, partial, queries.shape, queries.dtype, emulate)
+    return merge_fp16(part_o, part_lse, fp16, queries.shape, queries.dtype, emulate)
 
 
 class BlockCall:
-    """A block cache's decode attention prepared for decode steps, as `AffineCall`: its plan and one compiled graph
-    (`build.graph_function`) for the kernel over the blocks, the fp16 tokens' attention and their merge. A step
-    passes the queries, the block count and the fp16 tokens (`Fp16Tokens`: the buffers, the count an array). It
-    holds while the blocks stay in one 128-token tile and the buffers are the same objects; the cache keeps it that
-    long (`KernelRoute.kept_call`)."""
+    """A block cache's decode attention prepared for decode steps, as `AffineCall`: its plan and compiled graph
+    (`build.graph_function`). A step passes the queries, the block count and the fp16 tokens' attention. It holds
+    while the blocks stay in one 128-token tile, the buffers are the same objects and the fp16 tokens are (or are
+    not) there; the cache keeps it that long (`KernelRoute.kept_call`)."""
 
-    def __init__(self, shape: tuple[int, ...], scale: float, layout: BlockLayout, blocks: int, fp16: Fp16Tokens | None):
+    def __init__(self, shape: tuple[int, ...], scale: float, layout: BlockLayout, blocks: int, fp16: bool):
         b, hq, length, d = shape
         kparts, vparts = layout.body
         hkv = vparts[0].shape[1]
@@ -164,28 +127,22 @@ class BlockCall:
         extra = [unused if x is None else x for x in (layout.tables, layout.signs)]
         # the buffers themselves (a step writes blocks into them in place), read as rows inside the graph
         self.arrays = (*kparts, *vparts, *extra, unused_counter(b * hkv * self.plan.nchunk))
-        sink = fp16 is not None and fp16.sink_k is not None
-        self.graph = graph_function(_block_graph, (self.plan, hkv, layout.rotation, scale, fp16 is not None, sink))
+        self.graph = graph_function(_block_graph, (self.plan, hkv, layout.rotation, fp16))
 
-    def __call__(self, queries: mx.array, blocks: int, fp16: Fp16Tokens | None) -> mx.array:
+    def __call__(self, queries: mx.array, blocks: int, fp16: tuple[mx.array, mx.array] | None) -> mx.array:
         params = affine_params(self.plan, blocks * BLOCK_TOKENS, self.cap, self.scale)
-        tokens = () if fp16 is None else tuple(x for x in fp16 if x is not None)
-        return self.graph(queries, *self.arrays, *params, *tokens)
+        return self.graph(queries, *self.arrays, *params, *(fp16 or ()))
 
 
-def _block_graph(key: tuple[AffinePlan, int, str, float, bool, bool], queries: mx.array, *arrays: mx.array
-                 ) -> mx.array:
+def _block_graph(key: tuple[AffinePlan, int, str, bool], queries: mx.array, *arrays: mx.array) -> mx.array:
     """The block attention as a graph of arrays: queries turned into the blocks' space, the split kernel, its
-    partials turned back, and merged with the attention over the fp16 tokens (where `key` says there are some)."""
-    plan, hkv, rotation, scale, has_fp16, has_sink = key
+    partials turned back and merged with the fp16 tokens' attention (when `key` says there is one)."""
+    plan, hkv, rotation, has_fp16 = key
     kw, ksc, kbi, vw, vsc, vbi, tables, signs, counter, params, fparams, *fp16 = arrays
     layout = BlockLayout([[kw, ksc, kbi], [vw, vsc, vbi]], (plan.bits, plan.vbits), plan.group_size, plan.kchan,
                          tables if plan.lut else None, rotation, signs)
     b = queries.shape[0]
     qg = group_queries(turn_in(queries, layout, hkv), hkv)
     part_o, part_lse, *_ = affine_split_kernel(plan, qg, *rows(layout), params, fparams, counter, layout.tables)
-    partial = None
-    if has_fp16:
-        tokens = Fp16Tokens(*fp16) if has_sink else Fp16Tokens(None, None, *fp16)
-        partial = fp16_partial(queries, scale, tokens)
-    return merge_fp16(turn_out(part_o, layout, b), part_lse, partial, queries.shape, queries.dtype)
+    return merge_fp16(turn_out(part_o, layout, b), part_lse, tuple(fp16) if has_fp16 else None, queries.shape,
+                      queries.dtype)
