@@ -90,6 +90,12 @@ def check_geometry(name: str, value: Any, where: str) -> None:
         raise ValueError(f"{where}: {name}={value!r}; accepted: an int >= {low}")
 
 
+def joined(pieces: list[KV], dtype: mx.Dtype) -> KV:
+    """K/V pieces (B, H, n, D) cast to `dtype` and joined along the tokens."""
+    k, v = ([p[i] if p[i].dtype == dtype else p[i].astype(dtype) for p in pieces] for i in (0, 1))
+    return KV(*(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2) for xs in (k, v)))
+
+
 class BlockRegions:
     """What a block cache reports and reads of its regions, for `BlockCache` (its sink, body, recent stores and
     rollback): their bytes and tokens, and attention over them a slice at a time."""
@@ -141,15 +147,23 @@ class BlockRegions:
             out += [("newest block's fp16 copy", kind, x) for kind, x in zip("KV", self.rollback)]
         return out
 
-    def decoded_prefix(self, dtype: mx.Dtype) -> KV:
-        """The sink and the decoded body, K and V in the model's space and `dtype`: every token before the recent
-        ones, as `fetch` returns them (a cache rotating on arrival has rotated sink and body)."""
-        pieces = [KV(*(x.astype(dtype) for x in self.sink))] if self.sink is not None else []
+    def decoded_prefix(self, dtype: mx.Dtype) -> KV | None:
+        """The sink and the decoded body in `dtype`: every token before the recent ones, in the space the recent tokens
+        are stored in (rotated for a cache that rotates on arrival; `with_recent` turns the whole back). None where
+        neither is held."""
+        pieces = [self.sink] if self.sink is not None else []
         if self.body is not None:
             body = KV(*(self._decode_blocks(parts, kind) for parts, kind in zip(self.body, "kv")))
-            pieces.append(KV(*(x.astype(dtype) for x in (body if self.rotate_on_arrival else map(self.unrotate,
-                                                                                                  body)))))
-        return KV(*(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2) for xs in zip(*pieces)))
+            pieces.append(body if self.rotate_on_arrival else KV(*(self.unrotate(x) for x in body)))
+        return joined(pieces, dtype) if pieces else None
+
+    def with_recent(self, prefix: KV | None, dtype: mx.Dtype) -> KV:
+        """Every token's K and V in the model's space: `prefix` (`decoded_prefix`), then the recent tokens."""
+        pieces = [prefix] if prefix is not None else []
+        if self.recent_count:
+            pieces.append(KV(self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count)))
+        out = joined(pieces, dtype)
+        return KV(*(self.unrotate(x) for x in out)) if self.rotate_on_arrival else out
 
     def fp16_attention(self, queries: mx.array, scale: float, mask: Any) -> tuple[mx.array, mx.array] | None:
         """Float32 attention of queries (B, Hq, L, D) over the fp16 sink and recent tokens as stored, and its
@@ -441,17 +455,7 @@ class BlockCache(BlockWindow, BlockRegions, GmlxCache):
     # -- reading -------------------------------------------------------------------------------------------------
     def fetch(self, dtype: mx.Dtype = mx.float32) -> KV:
         """All tokens' K and V in the model's space: sink, decoded body, recent tokens."""
-        pieces = []
-        if self.sink is not None:
-            pieces.append(self.sink)
-        if self.body is not None:
-            body = KV(*(self._decode_blocks(parts, kind) for parts, kind in zip(self.body, "kv")))
-            pieces.append(body if self.rotate_on_arrival else KV(*(self.unrotate(x) for x in body)))
-        if self.recent_count:
-            pieces.append(KV(self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count)))
-        k, v = ([p[i] if p[i].dtype == dtype else p[i].astype(dtype) for p in pieces] for i in (0, 1))
-        out = KV(*(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2) for xs in (k, v)))
-        return KV(*(self.unrotate(x) for x in out)) if self.rotate_on_arrival else out
+        return self.with_recent(self.decoded_prefix(dtype), dtype)
 
     def roundtrip(self, x: mx.array, kind: str) -> mx.array:
         """Tokens (B, H, T, D), T a multiple of block_tokens, stored as this cache stores them and read back."""

@@ -130,9 +130,4 @@ class BlockKernelRoute(KernelRoute):
         kept = self._prefix
         if kept is None or kept[0] is not self.body or kept[1] is not self.sink or kept[2].k.dtype != dtype:
             kept = self._prefix = (self.body, self.sink, self.decoded_prefix(dtype))
-        prefix = kept[2]
-        if not self.recent_count:
-            return prefix
-        recent = (buf.view(self.recent_count) for buf in self.recent)
-        return KV(*(mx.concatenate([p, r if r.dtype == dtype else r.astype(dtype)], axis=2)
-                    for p, r in zip(prefix, recent)))
+        return self.with_recent(kept[2], dtype)
