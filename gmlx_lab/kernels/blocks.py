@@ -24,7 +24,6 @@ from .splits import float_params, group_queries, merge_splits, ungroup, unused_c
 __all__ = ["BLOCK_TOKENS", "BlockCall", "BlockLayout", "block_attend", "block_partials", "merge_fp16", "value_tables"]
 
 BLOCK_TOKENS = 32  # tokens a KIVI, TurboQuant or float block holds
-ROTATIONS = ("none", "hadamard", "signed")  # how the blocks' space differs from the model's
 
 
 class BlockLayout(NamedTuple):
