@@ -521,3 +521,17 @@ def test_every_figure_the_notebooks_draw_follows_the_figure_rules() -> None:
                     figures += 1
                     found += [f"{path.name} cell {i}: {p}" for p in viz.figure_problems(go.Figure(data))]
     assert figures > 50 and found == []
+
+
+def test_no_text_the_notebooks_write_is_an_assembled_list() -> None:
+    """No Markdown an executed notebook shows (its cells and its outputs) reads as a log: values written from one
+    template bullet after bullet, or part after part of a sentence, go in a table (`viz.assembled_lists`)."""
+    from gmlx_lab.viz.say import assembled_lists
+
+    found = []
+    for path in executed_notebooks():
+        for i, cell in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"]):
+            texts = ["".join(cell["source"])] if cell["cell_type"] == "markdown" else \
+                ["".join(out.get("data", {}).get("text/markdown", "")) for out in cell.get("outputs", [])]
+            found += [f"{path.name} cell {i}: {f}" for text in texts for f in assembled_lists(text)]
+    assert found == []

@@ -175,6 +175,7 @@ EXAMPLES: dict[str, Callable[[], list[go.Figure]]] = {
     "kv_growth_figure": lambda: [viz.kv_growth_figure(list("abcdef"), _causal(6))],
     "fused_step_figure": lambda: [viz.fused_step_figure(s, 32768) for s in ("kvarn4:tail=128", "kivi2", "nvfp4")],
     "storage_figure": lambda: [viz.storage_figure(["fp16", "affine4", "nvfp4", "turboquant4", "kivi4", "kvarn4"], "v")],
+    "record_layout_figure": lambda: [viz.record_layout_figure("k"), viz.record_layout_figure("v", 2)],
 }
 
 
@@ -452,3 +453,18 @@ def test_the_growth_diagram_refuses_weights_that_see_the_future() -> None:
         viz.kv_growth_figure(list("abc"), np.full((3, 3), 1 / 3))
     fig = viz.kv_growth_figure(list("abcd"), _causal(4))
     assert [len(f.data[1].x) for f in fig.frames] == [1, 2, 3, 4]  # one more K row a step
+
+
+def test_the_record_diagram_draws_the_record_bytes_of_every_width() -> None:
+    from gmlx_lab.cache.kvarn import records
+
+    fig = viz.record_layout_figure("v", 8)
+    assert [f.name for f in fig.frames] == [str(b) for b in records.KVARN_BITS]
+    for frame, bits in zip(fig.frames, records.KVARN_BITS):
+        texts = " ".join(a.text for a in frame.layout.annotations)
+        assert f"record: {records.record_bytes(bits, kind='v')} B" in texts
+        assert "rows = tokens" in texts
+    with pytest.raises(ValueError, match="code widths"):
+        viz.record_layout_figure("k", 7)
+    with pytest.raises(ValueError, match="kind 'k' or 'v'"):
+        viz.record_layout_figure("kv")

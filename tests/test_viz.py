@@ -136,3 +136,17 @@ def test_say_renders_markdown_from_values_and_refuses_empty_text() -> None:
     assert out._repr_markdown_() == "kvarn2's KL is 0.0137.\n\nSecond paragraph."
     with pytest.raises(ValueError, match="non-empty"):
         viz.say("  ")
+
+
+def test_assembled_lists_flags_templated_bullets_and_sentences_but_not_prose() -> None:
+    from gmlx_lab.viz.say import assembled_lists
+
+    bullets = "\n".join(f"- kvarn{b} tail=0 ({s}% of fp16, KL {k}) beside affine{b} g64: ratio {r}"
+                        for b, s, k, r in ((2, 37.6, 0.002, 0.43), (3, 47.9, 0.0002, 0.55), (4, 46.7, 7e-05, 0.25)))
+    assert len(assembled_lists(bullets)) == 1
+    assert assembled_lists("\n".join(bullets.splitlines()[:2])) == []  # two bullets are a contrast, not a log
+    inline = "Rotation multiplies K's error by 0.96x at 2, 0.83x at 3, 0.73x at 4, 0.64x at 6 and 0.64x at 8 bits."
+    assert "4 parts" in assembled_lists(inline)[0]
+    prose = ("At 4 bits kvarn's error is 0.0595, affine's after rotation 0.0866 and affine's 0.117: the records "
+             "win on K, where the outlier channel is. Compare affine4 g64, affine2 g64, kvarn2 tail=128 and kivi4.")
+    assert assembled_lists(prose) == []

@@ -3,6 +3,7 @@
     storage_figure(["fp16", "affine4", "kivi4", "kvarn4:tail=128"])   # which values share a scale, per scheme
     kv_growth_figure(pieces, probs)                                   # decoding writes one K and V row a step
     fused_step_figure("kvarn4", 32768)                                # the reference path against the fused kernel
+    record_layout_figure("k")                                         # what one kvarn record stores, bits on a slider
 
 In `storage_figure` each panel is a window of one head's stored values, channels down and tokens across, one pixel
 a value; values that share a scale take one shade of the scheme's colour and the next group the other, so the
@@ -17,12 +18,13 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..cache.kvarn import records
 from ..registry import get_scheme
 from ..specs import parse_scheme_spec, scheme_label
 from .figures import slider_figure
 from .style import scheme_color, shade
 
-__all__ = ["FP16_GREY", "fused_step_figure", "group_grid", "kv_growth_figure", "scale_group_words", "storage_figure"]
+__all__ = ["FP16_GREY", "fused_step_figure", "group_grid", "kv_growth_figure", "record_layout_figure", "scale_group_words", "storage_figure"]
 
 FP16_GREY = "#c7c7c7"  # values stored as they are
 WINDOW = (128, 192)  # tokens drawn: past kvarn's 128-token fp16 sink, so every scheme shows its codes
@@ -180,3 +182,53 @@ def fused_step_figure(spec: str, context: int, kv_heads: int = 8, head_dim: int 
                       title=f"One layer's decode attention at {context} tokens ({kv_heads} KV heads of {head_dim}):"
                             f"<br>the fused kernel never writes the {fp16 / mib:.0f} MiB fp16 copy")
     return fig
+
+
+def _record_layout(bits: int, kind: str) -> go.Figure:
+    """One record at `bits`: the code tile with its three fp16 axis vectors where they act, and its bytes against
+    the same values in fp16 (`records.record_bytes`)."""
+    rows, cols = ("channel", "token") if kind == "k" else ("token", "channel")
+    total = records.record_bytes(bits, kind=kind)
+    codes = records.TILE * records.TILE * bits // 8
+    fp16 = records.TILE * records.TILE * 2
+    color, grey = scheme_color(f"kvarn{bits}"), "#7f7f7f"
+    fig = go.Figure()
+    _box(fig, 0.0, 4.0, 0.0, 4.0, f"codes<br>128 {rows}s x 128 {cols}s<br>at {bits} bits: {codes} B", color)
+    _box(fig, 0.0, 4.0, 4.25, 4.65, f"{cols} scale: 128 fp16", grey)
+    for x0, text in ((4.25, f"{rows} step"), (4.85, "zero point")):
+        fig.add_shape(type="rect", x0=x0, x1=x0 + 0.45, y0=0.0, y1=4.0, fillcolor=shade(grey, 0.75),
+                      line={"color": grey})
+        fig.add_annotation(x=x0 + 0.225, y=2.0, text=f"{text}: 128 fp16", textangle=-90, showarrow=False,
+                           font={"size": 12})
+    fig.add_annotation(x=-0.15, y=2.0, text=f"rows = {rows}s", textangle=-90, showarrow=False, font={"size": 12})
+    fig.add_annotation(x=5.55, y=3.2, xanchor="left", showarrow=False, align="left", font={"size": 12},
+                       text="a stored value comes back as<br>(code x step + zero point)<br>x scale of its column")
+    # the bytes, drawn to scale against the same 128 x 128 values in fp16
+    width = 9.5 / fp16
+    fig.add_shape(type="rect", x0=0.0, x1=fp16 * width, y0=-1.45, y1=-1.05, line={"color": grey, "dash": "dot"})
+    fig.add_annotation(x=fp16 * width, y=-1.25, xanchor="right", showarrow=False, font={"size": 11},
+                       text=f"fp16: {fp16} B")
+    fig.add_shape(type="rect", x0=0.0, x1=codes * width, y0=-0.85, y1=-0.45, fillcolor=shade(color, 0.75),
+                  line={"color": color})
+    fig.add_shape(type="rect", x0=codes * width, x1=total * width, y0=-0.85, y1=-0.45, fillcolor=shade(grey, 0.75),
+                  line={"color": grey})
+    fig.add_annotation(x=total * width + 0.1, y=-0.65, xanchor="left", showarrow=False, font={"size": 11},
+                       text=f"record: {total} B (codes {codes} + fp16 vectors {total - codes}), "
+                            f"{8 * total / records.TILE ** 2:.2f} bits a value")
+    fig.update_xaxes(visible=False, range=[-0.4, 9.7])
+    fig.update_yaxes(visible=False, range=[-1.6, 4.8])
+    fig.update_layout(height=430, margin={"t": 60, "l": 10, "r": 10, "b": 10}, plot_bgcolor="white",
+                      title=f"A {kind.upper()} record at {bits} bits stores {100 * total / fp16:.0f}% of fp16's "
+                            f"bytes for its 16384 values")
+    return fig
+
+
+def record_layout_figure(kind: str = "k", active_bits: int = 4) -> go.Figure:
+    """What one kvarn record stores (K: rows are channels; V: rows are tokens), with a slider over the code widths:
+    the code tile, the three fp16 vectors that scale it, and its bytes drawn to scale against fp16."""
+    if kind not in ("k", "v"):
+        raise ValueError(f"record_layout_figure draws a K or a V record: kind 'k' or 'v', got {kind!r}")
+    if active_bits not in records.KVARN_BITS:
+        raise ValueError(f"kvarn's code widths are {records.KVARN_BITS}; got active_bits={active_bits}")
+    return slider_figure([_record_layout(b, kind) for b in records.KVARN_BITS], [str(b) for b in records.KVARN_BITS],
+                         "bits: ", active=records.KVARN_BITS.index(active_bits))
