@@ -32,6 +32,7 @@ from gmlx_lab.measure.verdict import (
     recommendation_table,
     recommendations,
     standing,
+    standing_cell,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +208,9 @@ def test_recommend_takes_the_fewest_bytes_of_the_rows_as_good_as_the_best() -> N
     assert standing(results, "a", 0.5, 1024) == "under 50% at 1K: no a row fits (its smallest share is 55%)"
     with pytest.raises(ValueError, match="no z rows"):
         standing(results, "z", 0.6, 1024)
+    assert standing_cell(results, "k", 0.6, 1024).startswith("picked: k3")
+    assert standing_cell(results, "k", 0.95, 1024) == "k4 behind a8 (intervals apart)"
+    assert standing_cell(results, "a", 0.5, 1024) == "no row fits"
     alone = recommend(VerdictResults("m", rows[:3], []), 0.95, 1024)
     assert alone.runner_up is None and alone.cells() == [("95% at 1K", "a8 (90%)", *alone.cells()[0][2:5],
                                                           "the only one that keeps it")]

@@ -148,6 +148,15 @@ class Comparison:
         return (f"{self.winner} has {word} {self.metric} than {other}: {winner.text()} against {loser.text()}, "
                 f"{bands} apart.")
 
+    def row(self) -> dict[str, str]:
+        """The comparison as a table row (for `viz.Table`): both values with their bands, and what may be said, a
+        winner only where the bands are apart (as `sentence` says it)."""
+        word = "lower" if self.lower_is_better else "higher"
+        said = ("both below the floor" if self.below_floor else "bands overlap: neither" if self.winner is None
+                else f"{self.winner}: {word}")
+        return {"measured": self.a, self.metric: self.a_value.text(), "against": self.b,
+                f"its {self.metric}": self.b_value.text(), "what it shows": said}
+
     def to_dict(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "metric": self.metric, "a_value": self.a_value.to_dict(),
                 "b_value": self.b_value.to_dict(), "lower_is_better": self.lower_is_better, "floor": self.floor,

@@ -27,7 +27,7 @@ from .fidelity import FidelityResult
 from .sizes import layer_bytes, layer_shapes, policy_bytes
 
 __all__ = ["TradeoffPoint", "bytes_per_token", "crossover", "first_quantized_context", "pairs", "size_curves",
-           "tradeoff_points", "versus"]
+           "tradeoff_points", "versus", "versus_row"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,13 @@ def pairs(points: Sequence[TradeoffPoint], first: str = "kvarn", second: str = "
         near = sorted((a for a in ours if gap[a.label] < within * b.fp16_bytes_per_token), key=lambda a: gap[a.label])
         out += [(a, b) for a in near]
     return out
+
+
+def versus_row(a: TradeoffPoint, b: TradeoffPoint) -> dict[str, str]:
+    """`versus` as a table row (for `viz.Table`): each point's share of fp16's bytes and KL, and their KL ratio."""
+    versus(a, b)  # the same refusal of a point with KL 0
+    return {"scheme": a.label, "% of fp16": f"{100 * a.share_of_fp16:.1f}", "KL": f"{a.kl:.1e}", "beside": b.label,
+            "its % of fp16": f"{100 * b.share_of_fp16:.1f}", "its KL": f"{b.kl:.1e}", "KL ratio": f"{a.kl / b.kl:.2g}"}
 
 
 def versus(a: TradeoffPoint, b: TradeoffPoint) -> str:

@@ -403,28 +403,52 @@ def recommendations(results: VerdictResults, budgets: tuple[float, ...] = BUDGET
     return [recommend(results, b, c, speeds) for c in (contexts or results.contexts) for b in budgets]
 
 
-def standing(results: VerdictResults, scheme: str, budget: float, context: int) -> str:
-    """Where one scheme stands under a budget: the recommendation, or its best row that fits and keeps the model
-    against the recommendation (through `compare`), or why none of its rows qualifies."""
+def _standing_case(results: VerdictResults, scheme: str, budget: float, context: int
+                   ) -> tuple[str, Recommendation, list[Row], list[Row]]:
+    """Which case of `standing` a scheme is in under a budget ("none fits", "breaks", "recommended", "tied",
+    "behind"), with the recommendation, its rows that fit (lowest KL first) and those of them that keep the model."""
     rec = recommend(results, budget, context)
-    where = f"under {100 * budget:.0f}% at {context_label(context)}"
     own = [r for r in results.at(context) if r.scheme == scheme]
     if not own:
         raise ValueError(f"{results.model} has no {scheme} rows at {context}")
     fits = sorted((r for r in own if r.share <= budget), key=lambda r: r.interval(METRIC).estimate)
-    if not fits:
-        return f"{where}: no {scheme} row fits (its smallest share is {100 * min(r.share for r in own):.0f}%)"
     kept = [r for r in fits if keeps_model(r)]
-    if not kept:
+    case = ("none fits" if not fits else "breaks" if not kept else "recommended" if rec.pick.scheme == scheme
+            else "tied" if kept[0] in rec.tied else "behind")
+    return case, rec, fits, kept
+
+
+def standing(results: VerdictResults, scheme: str, budget: float, context: int) -> str:
+    """Where one scheme stands under a budget: the recommendation, or its best row that fits and keeps the model
+    against the recommendation (through `compare`), or why none of its rows qualifies."""
+    case, rec, fits, kept = _standing_case(results, scheme, budget, context)
+    where = f"under {100 * budget:.0f}% at {context_label(context)}"
+    if case == "none fits":
+        smallest = min(r.share for r in results.at(context) if r.scheme == scheme)
+        return f"{where}: no {scheme} row fits (its smallest share is {100 * smallest:.0f}%)"
+    if case == "breaks":
         return (f"{where}: every {scheme} row that fits breaks the model (its best, {fits[0].label}, has mean KL "
                 f"{fits[0].interval(METRIC).text()})")
-    if rec.pick.scheme == scheme:
+    if case == "recommended":
         return f"{where}: {scheme} is the recommendation ({rec.pick.label}, {rec.why})"
-    if kept[0] in rec.tied:
+    if case == "tied":
         return (f"{where}: {kept[0].label} ({100 * kept[0].share:.0f}%) is as good as the best at this sample; "
                 f"{rec.pick.label} ({100 * rec.pick.share:.0f}%) is recommended for {rec.why}")
     return f"{where}: " + compare(rec.pick.label, rec.pick.interval(METRIC), kept[0].label,
                                   kept[0].interval(METRIC), "mean KL", floor=results.kl_floor).sentence()
+
+
+def standing_cell(results: VerdictResults, scheme: str, budget: float, context: int) -> str:
+    """`standing` in a few words, for a grid of budgets and contexts: "picked", "as good (picked: X, fewer
+    bytes)", "behind X", "breaks the model", "none fits"."""
+    case, rec, _, kept = _standing_case(results, scheme, budget, context)
+    if case in ("none fits", "breaks"):
+        return {"none fits": "no row fits", "breaks": "every row that fits breaks the model"}[case]
+    if case == "recommended":
+        return f"picked: {rec.pick.label}"
+    if case == "tied":
+        return f"{kept[0].label} as good; {rec.pick.label} picked ({100 * rec.pick.share:.0f}% of fp16)"
+    return f"{kept[0].label} behind {rec.pick.label} (intervals apart)"
 
 
 # -- tables -------------------------------------------------------------------------------------------------------
