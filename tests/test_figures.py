@@ -468,3 +468,14 @@ def test_the_record_diagram_draws_the_record_bytes_of_every_width() -> None:
         viz.record_layout_figure("k", 7)
     with pytest.raises(ValueError, match="kind 'k' or 'v'"):
         viz.record_layout_figure("kv")
+
+
+def test_checker_flags_a_label_over_a_marker_but_not_one_beside_it_or_on_an_arrow() -> None:
+    fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[10, 100, 1000], mode="markers", name="points"))
+    fig.update_layout(xaxis_title="x", yaxis={"title": "y", "type": "log", **viz.log_ticks([10, 1000])})
+    fig.add_annotation(x=2, y=2, text="a label", showarrow=False)  # on a log axis: log10 of 100
+    assert any("covers a marker of trace 0" in p for p in viz.figure_problems(fig))
+    fig.layout.annotations = []
+    fig.add_annotation(x=2, y=3, text="a label", showarrow=False)  # a decade above the point
+    fig.add_annotation(x=2, y=2, text="a label", showarrow=True, ax=40, ay=-30)  # on an arrow, away from it
+    assert viz.figure_problems(fig) == []

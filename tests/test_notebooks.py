@@ -5,6 +5,7 @@ which `make test` compares with a fresh run under nbval (`pytest --nbval-lax`, s
 """
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -85,3 +86,18 @@ def test_cells_that_write_the_text_are_folded(path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     shown = [c.id for c in nb.cells if c.cell_type == "code" and writes_prose(c.source) and not source_hidden(c)]
     assert shown == [], f"{path.name}: set metadata.jupyter.source_hidden on these prose cells"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_page_draws_an_idea_or_says_why_it_needs_none(path: Path) -> None:
+    """A page calls one of the builders that draw an idea (`viz.DRAWN_IDEAS`), or a Markdown cell opens a sentence
+    with `viz.NO_DIAGRAM` and gives the reason after it."""
+    from gmlx_lab import viz
+
+    cells = nbformat.read(path, as_version=4).cells
+    code = "\n".join(c.source for c in cells if c.cell_type == "code")
+    drawn = [name for name in viz.DRAWN_IDEAS if re.search(rf"\bviz\.{name}\(", code)]
+    reasons = [c.source.split(viz.NO_DIAGRAM, 1)[1].strip() for c in cells
+               if c.cell_type == "markdown" and viz.NO_DIAGRAM in c.source]
+    assert drawn or any(len(r.split()) >= 8 for r in reasons), \
+        f"{path.name} draws none of {viz.DRAWN_IDEAS} and gives no reason after {viz.NO_DIAGRAM!r}"

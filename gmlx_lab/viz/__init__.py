@@ -15,7 +15,7 @@ from ..measure.sizes import LayerShape, layer_bytes, layer_shapes, policy_bytes
 from . import plotlyjs
 from .capacity_figures import capacity_figure
 from .code import Source, source
-from .diagrams import fused_step_figure, kv_growth_figure, record_layout_figure, storage_figure
+from .diagrams import DRAWN_IDEAS, NO_DIAGRAM, fused_step_figure, kv_growth_figure, record_layout_figure, storage_figure
 from .example import EXAMPLE_MODEL, EXAMPLE_TOKENS, RunningExample, example_model, running_example
 from .field_figures import SchemeIdea, field_kl_figure, field_passkey_figure, idea_figure, scheme_idea
 from .figures import (
@@ -118,4 +118,5 @@ def _install_plotlyjs() -> None:
 
 
 _install_plotlyjs()
-__all__ += ["fused_step_figure", "kv_growth_figure", "record_layout_figure", "storage_figure"]
+__all__ += ["DRAWN_IDEAS", "NO_DIAGRAM", "fused_step_figure", "kv_growth_figure", "record_layout_figure",
+            "storage_figure"]

@@ -24,8 +24,14 @@ from ..specs import parse_scheme_spec, scheme_label
 from .figures import slider_figure
 from .style import scheme_color, shade
 
-__all__ = ["FP16_GREY", "fused_step_figure", "group_grid", "kv_growth_figure", "record_layout_figure", "scale_group_words", "storage_figure"]
+__all__ = ["DRAWN_IDEAS", "FP16_GREY", "NO_DIAGRAM", "fused_step_figure", "group_grid", "kv_growth_figure",
+           "record_layout_figure", "scale_group_words", "storage_figure"]
 
+# The builders that draw an idea rather than plot a measurement: every notebook calls one or says why it needs
+# none (tests/test_notebooks.py). The first four live here; the others draw from the lab's own arithmetic in figures.py.
+DRAWN_IDEAS = ("kv_growth_figure", "storage_figure", "fused_step_figure", "record_layout_figure", "affine_row_figure",
+               "butterfly_slider", "regions_slider", "policy_strip")
+NO_DIAGRAM = "**No diagram here.**"  # how a page that draws no idea opens the sentence saying why
 FP16_GREY = "#c7c7c7"  # values stored as they are
 WINDOW = (128, 192)  # tokens drawn: past kvarn's 128-token fp16 sink, so every scheme shows its codes
 CHANNELS = 128  # one head's channels (the head dim the lab's kernels and figures take)

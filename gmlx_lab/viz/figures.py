@@ -116,7 +116,7 @@ def layer_kind_figure(shapes: dict[str, LayerShape], contexts: list[int],
                         hovertemplate="%{x} tokens: %{y:.3g} KiB<extra>" + html.escape(name) + "</extra>")
         if shape.window:
             fig.add_vline(x=shape.window, line=BASELINE_LINE, annotation_text=f"window {shape.window}",
-                          annotation_position="top left")
+                          annotation_position="bottom right")
     return fig
 
 

@@ -330,6 +330,88 @@ def _legend_box(layout: go.Layout, entries: int) -> tuple[float, float, float, f
     return left, left + 0.25, top - entries * LEGEND_ROW, top
 
 
+CHAR_EM, LINE_EM = 0.6, 1.3  # a label's character width and line height, in units of its font size, about
+
+
+def _plot_px(layout: go.Layout) -> tuple[float, float]:
+    """The plotting area's width and height in pixels, about (plotly's defaults where the layout sets none)."""
+    m = layout.margin
+    width = (layout.width or 700) - (80 if m.l is None else m.l) - (80 if m.r is None else m.r)
+    height = (layout.height or 450) - (100 if m.t is None else m.t) - (80 if m.b is None else m.b)
+    return max(width, 1.0), max(height, 1.0)
+
+
+def _axis_span(fig: go.Figure, key: str) -> tuple[float, float] | None:
+    """An axis's drawn range in its own units (log10 on a log axis): its set range, else its data's extent."""
+    axis = fig.layout[key]
+    log = axis.type == "log"
+    if axis.range is not None:
+        lo, hi = (float(r) for r in axis.range)
+    else:
+        v = [x for x in _axis_values(fig, key) if np.isfinite(x) and (x > 0 or not log)]
+        if not v:
+            return None
+        lo, hi = (np.log10(min(v)), np.log10(max(v))) if log else (min(v), max(v))
+        pad = 0.05 * (hi - lo or 1.0)
+        lo, hi = lo - pad, hi + pad
+    return (min(lo, hi), max(lo, hi)) if hi != lo else None
+
+
+def _fraction(fig: go.Figure, key: str, value: Any, span: tuple[float, float], ref: str = "",
+              logged: bool = False) -> float | None:
+    """Where `value` falls along axis `key` as a fraction of its drawn span; a "domain" reference is one already.
+    On a log axis a data value is taken to log10 first, unless `logged` (plotly places annotations by log10)."""
+    if ref.endswith("domain"):
+        return float(value)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    if fig.layout[key].type == "log" and not logged:
+        if v <= 0:
+            return None
+        v = float(np.log10(v))
+    return (v - span[0]) / (span[1] - span[0])
+
+
+def _labels_over_markers(fig: go.Figure) -> list[str]:
+    """Annotations whose text, placed on the axes without an arrow, covers a marker drawn on the same axes (its
+    box estimated from the characters and lines of the text)."""
+    problems = []
+    width_px, height_px = _plot_px(fig.layout)
+    for a in fig.layout.annotations:
+        if a.showarrow is not False or not a.text or a.x is None or a.y is None or "paper" in (a.xref, a.yref):
+            continue
+        xref, yref = a.xref or "x", a.yref or "y"
+        xkey, ykey = _axis_key(xref.split()[0]), _axis_key(yref.split()[0])
+        if xkey not in fig.layout or ykey not in fig.layout:
+            continue
+        spans = _axis_span(fig, xkey), _axis_span(fig, ykey)
+        if None in spans:
+            continue
+        x, y = (_fraction(fig, xkey, a.x, spans[0], xref, True), _fraction(fig, ykey, a.y, spans[1], yref, True))
+        if x is None or y is None:
+            continue
+        lines = re.split(r"<br\s*/?>", str(a.text))
+        size = a.font.size or 12
+        w = max(len(re.sub(r"<[^>]+>", "", line)) for line in lines) * CHAR_EM * size / width_px
+        h = len(lines) * LINE_EM * size / height_px
+        x0 = {"left": x, "right": x - w}.get(a.xanchor, x - w / 2)
+        y0 = {"bottom": y, "top": y - h}.get(a.yanchor, y - h / 2)
+        for i, tr in enumerate(fig.data):
+            if tr.type not in ("scatter", "scattergl") or "markers" not in (tr.mode or "") or tr.visible is False \
+                    or (_axis_key(tr.xaxis or "x"), _axis_key(tr.yaxis or "y")) != (xkey, ykey):
+                continue
+            for px, py in zip(_values(tr.x), _values(tr.y)):
+                fx, fy = _fraction(fig, xkey, px, spans[0]), _fraction(fig, ykey, py, spans[1])
+                if fx is not None and fy is not None and x0 <= fx <= x0 + w and y0 <= fy <= y0 + h:
+                    text = re.sub(r"<[^>]+>", " ", str(a.text))[:40]
+                    problems.append(f"the label {text!r} covers a marker of trace {i} ({tr.name or tr.type}) at "
+                                    f"({px}, {py}): move it or draw it on an arrow")
+                    break
+    return problems
+
+
 def figure_problems(fig: go.Figure) -> list[str]:
     """What in `fig` breaks the lab's figure rules, one sentence each (an empty list: none).
 
@@ -346,7 +428,8 @@ def figure_problems(fig: go.Figure) -> list[str]:
     - a heatmap without its colour scale (a colour that means a number needs its key);
     - a slider with fewer than two steps, or one whose steps name frames the figure lacks (it cannot move);
     - a title line longer than MAX_TITLE_CHARS (MAX_SUBTITLE_CHARS in <sup>): a notebook's page clips it;
-    - an annotation placed (in paper coordinates) where the legend is drawn (`_legend_box`): it covers entries.
+    - an annotation placed (in paper coordinates) where the legend is drawn (`_legend_box`): it covers entries;
+    - a label placed on the axes without an arrow whose text covers a marker (`_labels_over_markers`).
     """
     problems: list[str] = []
     layout = fig.layout
@@ -417,6 +500,7 @@ def figure_problems(fig: go.Figure) -> list[str]:
         if a.xref == "paper" and a.yref == "paper" and a.x is not None and a.y is not None \
                 and box[0] <= a.x <= box[1] and box[2] <= a.y <= box[3]:
             problems.append(f"the annotation {str(a.text)[:40]!r} lies where the legend is drawn")
+    problems += _labels_over_markers(fig)
     for key in sorted(used_axes):
         if key in layout and layout[key].title is not None:
             problems += _text_problems(f"{key} title", [layout[key].title.text])

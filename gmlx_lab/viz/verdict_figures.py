@@ -65,8 +65,10 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
               for v in (r.interval(METRIC).low, r.interval(METRIC).high) if v > 0]
 
     def title(context: int) -> str:
+        # the quality floor's line is named here: a label on the line would cover markers near it in some frame
         return (f"{results.model} at {context} tokens: mean KL against memory, 95% intervals over "
-                f"{results.passages} passages")
+                f"{results.passages} passages<br><sup>red dashed line: the quality floor, mean KL {KEEP_KL:g}; rows "
+                "above it are not recommended</sup>")
 
     fig = go.Figure(data=_traces(results, contexts[0], families, styles),
                     frames=[go.Frame(data=_traces(results, c, families, styles), name=context_label(c),
@@ -78,9 +80,7 @@ def verdict_figure(results: VerdictResults, budgets: tuple[float, ...] = BUDGETS
         fig.add_vline(x=100 * b, line={"color": "#999999", "dash": "dot", "width": 1},
                       annotation_text=f"budget {100 * b:.0f}%", annotation_position="top left",
                       annotation_font_size=9)
-    fig.add_hline(y=KEEP_KL, line={"color": "#d62728", "dash": "dash", "width": 1},
-                  annotation_text=f"quality floor: mean KL {KEEP_KL:g} (above it, rows are not recommended)",
-                  annotation_position="top left", annotation_font={"size": 10, "color": "#d62728"})
+    fig.add_hline(y=KEEP_KL, line={"color": "#d62728", "dash": "dash", "width": 1})
     if results.kl_floor:  # computed in fp16: below this KL the arithmetic, not the cache, moves the output
         fig.add_hrect(y0=min(values + [results.kl_floor]) / 2, y1=results.kl_floor, line_width=0,
                       fillcolor="#999999", opacity=0.15)
