@@ -479,3 +479,15 @@ def test_checker_flags_a_label_over_a_marker_but_not_one_beside_it_or_on_an_arro
     fig.add_annotation(x=2, y=3, text="a label", showarrow=False)  # a decade above the point
     fig.add_annotation(x=2, y=2, text="a label", showarrow=True, ax=40, ay=-30)  # on an arrow, away from it
     assert viz.figure_problems(fig) == []
+
+
+def test_checker_flags_a_percentage_printed_without_its_count() -> None:
+    fig = go.Figure(go.Bar(x=["fp16", "kvarn4"], y=[1, 0.5], text=["100%", "50%"], name="found"))
+    fig.update_layout(xaxis_title="cache", yaxis_title="share found")
+    assert any("without its count" in p for p in viz.figure_problems(fig))
+    fig.data[0].hovertemplate = "%{x}: %{customdata} of 2 keys<extra></extra>"
+    fig.data[0].customdata = [2, 1]
+    assert viz.figure_problems(fig) == []
+    fig = go.Figure(go.Bar(x=["a"], y=[1], text=["1 of 1 (100%)"], name="n"))
+    fig.update_layout(xaxis_title="cache", yaxis_title="share")
+    assert viz.figure_problems(fig) == []

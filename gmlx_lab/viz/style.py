@@ -374,6 +374,24 @@ def _fraction(fig: go.Figure, key: str, value: Any, span: tuple[float, float], r
     return (v - span[0]) / (span[1] - span[0])
 
 
+_PERCENT = re.compile(r"\d%|%\{[^}]*\}%")  # a printed share: "75%", or a template field printed as one
+_COUNT = re.compile(r"\bof\s+(?:\d|%\{)")  # its count beside it: "3 of 4", "of %{customdata[1]}"
+
+
+def _shares_without_counts(fig: go.Figure) -> list[str]:
+    """Traces that print a percentage on the plot (text, texttemplate) without the count it is a share of ("k of
+    n") in their text or hover: 100% of one trial reads like 100% of a hundred."""
+    problems = []
+    for i, tr in enumerate(fig.data):
+        printed = [str(v) for v in _values(getattr(tr, "text", None))] + [str(getattr(tr, "texttemplate", None) or "")]
+        if not any(_PERCENT.search(t) for t in printed):
+            continue
+        if not any(_COUNT.search(t) for t in printed + [str(getattr(tr, "hovertemplate", None) or "")]):
+            problems.append(f"trace {i} ({tr.name or tr.type}) prints a percentage without its count: say 'k of n' "
+                            "in its text or hover")
+    return problems
+
+
 def _labels_over_markers(fig: go.Figure) -> list[str]:
     """Annotations whose text, placed on the axes without an arrow, covers a marker drawn on the same axes (its
     box estimated from the characters and lines of the text)."""
@@ -429,7 +447,8 @@ def figure_problems(fig: go.Figure) -> list[str]:
     - a slider with fewer than two steps, or one whose steps name frames the figure lacks (it cannot move);
     - a title line longer than MAX_TITLE_CHARS (MAX_SUBTITLE_CHARS in <sup>): a notebook's page clips it;
     - an annotation placed (in paper coordinates) where the legend is drawn (`_legend_box`): it covers entries;
-    - a label placed on the axes without an arrow whose text covers a marker (`_labels_over_markers`).
+    - a label placed on the axes without an arrow whose text covers a marker (`_labels_over_markers`);
+    - a percentage printed on the plot without the count it is a share of (`_shares_without_counts`).
     """
     problems: list[str] = []
     layout = fig.layout
@@ -501,6 +520,7 @@ def figure_problems(fig: go.Figure) -> list[str]:
                 and box[0] <= a.x <= box[1] and box[2] <= a.y <= box[3]:
             problems.append(f"the annotation {str(a.text)[:40]!r} lies where the legend is drawn")
     problems += _labels_over_markers(fig)
+    problems += _shares_without_counts(fig)
     for key in sorted(used_axes):
         if key in layout and layout[key].title is not None:
             problems += _text_problems(f"{key} title", [layout[key].title.text])
