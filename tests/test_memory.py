@@ -58,12 +58,13 @@ def test_prefill_peak(llama):
 
 def test_a_quantized_prefill_holds_one_slice_of_attention_not_the_whole(monkeypatch):
     """The bundled model, every layer quantized, 4096 tokens (its trained context) prefilled in chunks of 2048, with
-    32 MiB of attention scratch: kvarn (its own `attend`) and KIVI (the block base's) peak well below the fp16
-    cache, whose SDPA on the CPU holds every score of a chunk over every key, and no copy of the cache is decoded
-    whole."""
+    32 MiB of attention scratch: every built-in quantized scheme at 4 bits (kvarn and affine through their own
+    `attend`, KIVI, TurboQuant and mxfp4 through the block base's) peaks well below the fp16 cache, whose SDPA on
+    the CPU holds every score of a chunk over every key, and no copy of the cache is decoded whole."""
     from gmlx_lab.cache import attention
     from gmlx_lab.cli import load_model
     from gmlx_lab.policy import policy
+    from gmlx_lab.specs import parse_scheme_spec
 
     monkeypatch.setattr(attention, "SCRATCH_BYTES", 32 * 2**20)
     model, _ = load_model(None)
@@ -73,6 +74,7 @@ def test_a_quantized_prefill_holds_one_slice_of_attention_not_the_whole(monkeypa
                             steps=(2048,))[0]
 
     fp16 = peak("fp16")
-    for scheme in ("kvarn", "kivi"):
-        row = peak(scheme, bits=4)
-        assert row["above_start"] < 0.6 * fp16["above_start"], (scheme, row["above_start"], fp16["above_start"])
+    for spec in ("kvarn4", "kivi4", "turboquant4", "mxfp4", "affine4"):
+        name, options = parse_scheme_spec(spec)
+        row = peak(name, **options)
+        assert row["above_start"] < 0.6 * fp16["above_start"], (spec, row["above_start"], fp16["above_start"])
