@@ -214,16 +214,16 @@ def _record_layout(bits: int, kind: str) -> go.Figure:
     fig.add_shape(type="rect", x0=0.0, x1=fp16 * width, y0=-1.45, y1=-1.05, line={"color": grey, "dash": "dot"})
     fig.add_annotation(x=fp16 * width, y=-1.25, xanchor="right", showarrow=False, font={"size": 11},
                        text=f"fp16: {fp16} B")
-    fig.add_shape(type="rect", x0=0.0, x1=codes * width, y0=-0.85, y1=-0.45, fillcolor=shade(color, 0.75),
-                  line={"color": color})
-    fig.add_shape(type="rect", x0=codes * width, x1=total * width, y0=-0.85, y1=-0.45, fillcolor=shade(grey, 0.75),
-                  line={"color": grey})
+    for name, x0, x1, c in (("codes", 0, codes, color), ("fp16 vectors", codes, total, grey)):  # traces: they move
+        fig.add_bar(x=[(x1 - x0) * width], base=[x0 * width], y=[-0.65], width=[0.4], orientation="h", name=name,
+                    marker={"color": shade(c, 0.75), "line": {"color": c, "width": 1}}, showlegend=False,
+                    hovertemplate=f"{name}: {x1 - x0} B<extra></extra>")
     fig.add_annotation(x=total * width + 0.1, y=-0.65, xanchor="left", showarrow=False, font={"size": 11},
                        text=f"record: {total} B (codes {codes} + fp16 vectors {total - codes}), "
                             f"{8 * total / records.TILE ** 2:.2f} bits a value")
     fig.update_xaxes(visible=False, range=[-0.4, 9.7])
     fig.update_yaxes(visible=False, range=[-1.6, 4.8])
-    fig.update_layout(height=430, margin={"t": 60, "l": 10, "r": 10, "b": 10}, plot_bgcolor="white",
+    fig.update_layout(height=430, margin={"t": 60, "l": 10, "r": 10, "b": 10}, plot_bgcolor="white", barmode="overlay",
                       title=f"A {kind.upper()} record at {bits} bits stores {100 * total / fp16:.0f}% of fp16's "
                             f"bytes for its 16384 values")
     return fig
