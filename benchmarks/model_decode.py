@@ -161,7 +161,7 @@ def lean_fetch() -> Any:
     takes the fused path): what the graph of the returned K/V costs."""
     kvarn_fetch, affine_stored = KvarnCache.fetch, AffineCache.stored
     KvarnCache.fetch = lambda self, dtype=None, decode_step=False: (self.recent.k.data, self.recent.v.data)
-    AffineCache.stored = lambda self, end, dtype: (self.packed[0][1].data, self.packed[1][1].data)
+    AffineCache.stored = lambda self, end, dtype: tuple(bufs[0].data for bufs in self.body_buffers)
     try:
         yield
     finally:
