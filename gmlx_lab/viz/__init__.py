@@ -79,7 +79,7 @@ from .quant import (
     record_of,
     scale_spans,
 )
-from .say import Say, answer, say
+from .say import Say, answer, assembled_lists, say
 from .style import context_ticks, figure_problems, log_ticks, num, scheme_color, scheme_colors, trace_styles
 from .tradeoff_figures import KL_SCALE, kl_color, kl_legend_html, published_vs_ours_figure, size_figure, tradeoff_figure
 from .verdict_figures import floor_figure, verdict_figure
@@ -97,7 +97,7 @@ __all__ = [
     "table_html", "trace_styles",
     "weights_kv_figure", "weights_kv_positions", "window_stream",
 ]
-__all__ += ["Say", "answer", "say"]
+__all__ += ["Say", "answer", "assembled_lists", "say"]
 __all__ += ["SchemeIdea", "field_kl_figure", "field_passkey_figure", "idea_figure", "scheme_idea"]
 __all__ += ["context_ticks", "log_ticks"]
 __all__ += ["butterfly_slider", "capacity_figure", "normalize_slider", "regions_slider", "scale_spans",
