@@ -43,7 +43,8 @@ def format_tables(bits: int, group_size: int) -> mx.array:
     itself (value[code] * scale[byte] is what it gives): every code under the scale byte of a group of ones, and the
     code of one under every scale byte, divided by one's own value."""
     mode = float_format(bits, group_size)
-    ones_words, ones_scales = mx.quantize(mx.ones((1, 32)), group_size=group_size, bits=bits, mode=mode)  # (as below)
+    # a group of ones: the code and the scale byte that stand for 1
+    ones_words, ones_scales = mx.quantize(mx.ones((1, 32)), group_size=group_size, bits=bits, mode=mode)
     per_word, n = 32 // bits, 1 << bits
     one_code, one_scale = ones_words[0, 0].item() & (n - 1), ones_scales[0, 0].item()
 

@@ -30,6 +30,7 @@ class KernelRoute:
 
     KERNELS: tuple[str, ...] = ()  # the fused kernels this cache uses on a GPU (each self-checked on first use)
     _call: tuple[tuple[Any, ...], tuple[Any, ...], Any] | None = None  # what kept_call keeps
+    _prefix: tuple[Any, Any, KV] | None = None  # what kept_prefix keeps: (body, sink, their decoded graph)
 
     def kernel_route(self, supported: bool, kernel: str) -> str | None:
         """How `attend` runs: "fused" or "emulated" kernel algorithm, or None for the reference path.
@@ -75,6 +76,15 @@ class KernelRoute:
         note = precompiled.note()
         return "fused kernels: " + ", ".join(self.KERNELS) + (f" ({note})" if note else "")
 
+    def kept_prefix(self, dtype: mx.Dtype, make: Callable[[mx.Dtype], KV]) -> KV:
+        """The decoded sink and body a decode step's fetch joins the recent tokens to (`make(dtype)`), built as a
+        graph once and kept while the body and the sink are the same objects and `dtype` the same: the fused
+        kernels never read it, so it is evaluated only if the model reads the K/V itself."""
+        kept = self._prefix
+        if kept is None or kept[0] is not self.body or kept[1] is not self.sink or kept[2][0].dtype != dtype:
+            kept = self._prefix = (self.body, self.sink, make(dtype))
+        return kept[2]
+
     def kept_call(self, queries: mx.array, scale: float, mask: Any, objects: tuple[Any, ...], values: tuple[Any, ...],
                   make: Callable[[], Any]) -> Any:
         """A decode step's fused call (`make()`, or None where attention takes another route; None at once where no
@@ -101,7 +111,6 @@ class BlockKernelRoute(KernelRoute):
     reference path."""
 
     KERNELS = ("affine_decode",)
-    _prefix: tuple[Any, Any, KV] | None = None  # the decoded sink and body a decode step's fetch reuses
 
     def kernel_layout(self) -> BlockLayout | None:
         """What the kernel reads of the blocks, or None where it cannot read them."""
@@ -127,7 +136,4 @@ class BlockKernelRoute(KernelRoute):
         step builds a concatenation with the recent tokens, not a decode of every block."""
         if not (self.body is not None and self.arrived <= MAX_QUERY_TOKENS and self.may_fuse()):
             return super().fetch(dtype)
-        kept = self._prefix
-        if kept is None or kept[0] is not self.body or kept[1] is not self.sink or kept[2].k.dtype != dtype:
-            kept = self._prefix = (self.body, self.sink, self.decoded_prefix(dtype))
-        return self.with_recent(kept[2], dtype)
+        return self.with_recent(self.kept_prefix(dtype, self.decoded_prefix), dtype)

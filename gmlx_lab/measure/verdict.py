@@ -439,11 +439,13 @@ def standing(results: VerdictResults, scheme: str, budget: float, context: int) 
 
 
 def standing_cell(results: VerdictResults, scheme: str, budget: float, context: int) -> str:
-    """`standing` in a few words, for a grid of budgets and contexts: "picked", "as good (picked: X, fewer
-    bytes)", "behind X", "breaks the model", "none fits"."""
+    """`standing` in a few words, for a grid of budgets and contexts: "picked: X", "Y as good; X picked (N% of
+    fp16)", "Y behind X (intervals apart)", "every row that fits breaks the model", "no row fits"."""
     case, rec, _, kept = _standing_case(results, scheme, budget, context)
-    if case in ("none fits", "breaks"):
-        return {"none fits": "no row fits", "breaks": "every row that fits breaks the model"}[case]
+    if case == "none fits":
+        return "no row fits"
+    if case == "breaks":
+        return "every row that fits breaks the model"
     if case == "recommended":
         return f"picked: {rec.pick.label}"
     if case == "tied":

@@ -114,7 +114,6 @@ class KvarnCache(KernelRoute, BlockCache):
         # None: the option's default (OPTIONS); checked and set as self.k_bits, ... (BlockCache)
         super().__init__(layer, bits=bits, k_bits=k_bits, v_bits=v_bits, kv_tail_tokens=kv_tail_tokens,
                          norm_iters=norm_iters, head_dim_ext=head_dim_ext)
-        self._prefix: tuple[Any, Any, KV] | None = None  # (body, sink, their decoded graph) for GPU decode steps
         self._counter = SplitCounter()  # the fused decode kernel's merge counter
 
     # -- what a block scheme writes: records -----------------------------------------------------
@@ -190,9 +189,7 @@ class KvarnCache(KernelRoute, BlockCache):
             decode_step = self.arrived <= MAX_QUERY_TOKENS
         n = self.recent_count
         if decode_step and self.kernel_route(True, "kvarn_decode") == "fused":
-            if self._prefix is None or self._prefix[0] is not self.body or self._prefix[1] is not self.sink:
-                self._prefix = (self.body, self.sink, self._decoded_prefix(dtype))
-            pk, pv = self._prefix[2]
+            pk, pv = self.kept_prefix(dtype, self._decoded_prefix)
         elif self.body is not None and self._unpacks():
             return KV(*(kvarn_tokens(s, r, buf.data if n else None, n, dtype)
                         for s, r, buf in zip(self.sink, self.records, self.recent)))
