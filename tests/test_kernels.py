@@ -33,6 +33,7 @@ from gmlx_lab.kernels import (
     kvarn,
     kvarn_tokens,
     seal_records,
+    selfcheck,
     sources,
     splits,
     threads,
@@ -640,6 +641,31 @@ def test_a_block_call_is_kept_across_decode_steps_and_stays_right(spec: str, mon
         c.attention_path = "reference"
         assert _rel(out, c.attend(q, keys, values, 128**-0.5, None)) < 5e-3, step
     assert 1 < len(made) <= 4, made  # 15 to 18 blocks: one or two tiles, one buffer growth
+
+
+@gpu
+@pytest.mark.parametrize("spec", ["kivi:bits=4,sink_tokens=4", "turboquant4", "nvfp4_rot"])
+def test_a_block_decode_step_is_one_launch_that_reads_the_fp16_tokens(spec: str, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    """A block cache's decode attention launches affine_decode once, over the codes and the fp16 sink and recent
+    tokens together, and nothing else where the kernel merges its splits (CUDA); Metal's merge is one split_merge
+    after it."""
+    c, keys, values = _block_cache(spec, 128, 600, 2, seed=9)
+    q = mx.random.normal((1, 4, 2, 128))
+    c.attention_path = "fused"
+    assert selfcheck.passed("affine_decode")
+    build.forget_kernels()  # a GPU replays a graph compiled earlier without calling launch: trace it afresh
+    launched = []
+    for module in (affine, splits):
+        real = module.launch
+        monkeypatch.setattr(module, "launch",
+                            lambda name, *a, real=real, **k: launched.append(name) or real(name, *a, **k))
+    out = c.attend(q, keys, values, 128**-0.5, "causal")
+    merged_here = build.kernel_backend() == "cuda"
+    assert launched == (["affine_decode"] if merged_here else ["affine_decode", "split_merge"])
+    c.attention_path = "emulated"
+    monkeypatch.undo()
+    assert _rel(out, c.attend(q, keys, values, 128**-0.5, "causal")) < KERNEL_TOL
 
 
 @pytest.mark.parametrize("spec", ["kivi4", "nvfp4_rot", "turboquant:bits=4,kv_tail_tokens=64,sink_tokens=4"])

@@ -62,7 +62,7 @@ import numpy as np
 
 from ..registry import Option, Scheme, resolve_options
 from . import saved
-from .attention import KeySlice, fits_scratch, grouped_attention, slice_tokens, sliced_attention
+from .attention import KeySlice, fits_scratch, slice_tokens, sliced_attention
 from .base import GmlxCache
 from .buffers import KV, STORE_DTYPE, GrowingBuffer, array_bytes, fill_sink, keep_sink
 from .regions import block_regions, due_tokens
@@ -164,18 +164,6 @@ class BlockRegions:
             pieces.append(KV(self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count)))
         out = joined(pieces, dtype)
         return KV(*(self.unrotate(x) for x in out)) if self.rotate_on_arrival else out
-
-    def fp16_attention(self, queries: mx.array, scale: float, mask: Any) -> tuple[mx.array, mx.array] | None:
-        """Float32 attention of queries (B, Hq, L, D) over the fp16 sink and recent tokens as stored, and its
-        log-sum-exp (`grouped_attention`), or None where there are none: what a kernel over the blocks merges with.
-        The queries are the cache's newest tokens, so `mask` ("causal") applies here, never to the older blocks."""
-        pieces = [self.sink] if self.sink is not None else []
-        if self.recent_count:
-            pieces.append(KV(self.recent.k.view(self.recent_count), self.recent.v.view(self.recent_count)))
-        if not pieces:
-            return None
-        k, v = (x[0] if len(x) == 1 else mx.concatenate(x, axis=2) for x in zip(*pieces))
-        return grouped_attention(queries.astype(mx.float32), k, v, scale, mask)
 
     def key_slices(self, dtype: mx.Dtype, tokens: int) -> list[KeySlice]:
         """The keys `fetch` returns, in its order, as slices of at most `tokens` decoded only when read: the fp16 sink

@@ -16,6 +16,8 @@ from ..kernels import (
     MAX_QUERY_TOKENS,
     BlockCall,
     BlockLayout,
+    Fp16Tokens,
+    SplitCounter,
     active_backend,
     affine_supported,
     block_attend,
@@ -106,28 +108,33 @@ class KernelRoute:
 
 class BlockKernelRoute(KernelRoute):
     """For a block cache whose blocks affine_decode reads in place (KIVI, TurboQuant, the floats: kernels/blocks.py):
-    `attend` from the codes merged with the fp16 tokens' attention, where `kernel_layout` gives the blocks' layout;
-    elsewhere (the CPU, no block yet, V rows wider or narrower than K's, a layout the kernel lacks) the base's
-    reference path."""
+    `attend` in one launch over the codes and the fp16 sink and recent tokens, where `kernel_layout` gives the
+    blocks' layout; elsewhere (the CPU, no block yet, V rows wider or narrower than K's, a layout the kernel lacks)
+    the base's reference path. The fp16 tokens are read in the model's space (no rotation on arrival)."""
 
     KERNELS = ("affine_decode",)
+    _counter: SplitCounter | None = None  # the merging kernel's counter, one per cache
 
     def kernel_layout(self) -> BlockLayout | None:
         """What the kernel reads of the blocks, or None where it cannot read them."""
         raise NotImplementedError
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        layout = self.kernel_layout() if self.n_blocks and values.shape[-1] == queries.shape[-1] else None
+        ready = self.n_blocks and self.recent.k.data is not None and values.shape[-1] == queries.shape[-1]
+        layout = self.kernel_layout() if ready else None
         route = self.kernel_route(layout is not None and affine_supported(queries, mask), "affine_decode")
         if route is None:
             return super().attend(queries, keys, values, scale, mask)
-        fp16 = self.fp16_attention(queries, scale, mask)
+        fp16 = Fp16Tokens(self.sink, KV(self.recent.k.data, self.recent.v.data), self.recent_count)
+        causal = isinstance(mask, str) and queries.shape[2] > 1
         if route == "emulated":
-            return block_attend(queries, scale, layout, self.n_blocks, fp16, emulate=True)
-        objects = tuple(x for parts in layout.body for x in parts)
-        call = self.kept_call(queries, scale, mask, objects, (-(-self.n_blocks // 4), fp16 is None),
-                              lambda: BlockCall(queries.shape, scale, layout, self.n_blocks, fp16 is not None))
-        return call(queries, self.n_blocks, fp16)
+            return block_attend(queries, scale, layout, self.n_blocks, fp16, causal)
+        objects = (*(x for parts in layout.body for x in parts), *(fp16.sink or ()), *fp16.recent)
+        call = self.kept_call(queries, scale, mask, objects, (-(-self.n_blocks // 4),),
+                              lambda: BlockCall(queries.shape, scale, layout, self.n_blocks, causal, fp16))
+        if self._counter is None:
+            self._counter = SplitCounter()
+        return call(queries, self.n_blocks, self.recent_count, self._counter)
 
     def fetch(self, dtype: mx.Dtype = mx.float32) -> KV:
         """Every token's K and V, as the block base fetches them. For a decode step that may take the fused route,

@@ -18,7 +18,7 @@ scheme's launch code) <- `selfcheck`.
 
 from . import precompiled, selfcheck  # noqa: E402  (after the modules it checks)
 from .affine import AffineCall, affine_attend, affine_supported
-from .blocks import BlockCall, BlockLayout, block_attend, block_partials, merge_fp16, value_tables
+from .blocks import BlockCall, BlockLayout, Fp16Tokens, block_attend, value_tables
 from .build import active_backend
 from .config import KernelConfig, configured, set_config
 from .kvarn import KvarnCall, kvarn_attend, kvarn_supported, kvarn_tokens, seal_records, unpack_records
@@ -27,7 +27,7 @@ from .splits import MAX_QUERY_TOKENS, SplitCounter, merge_splits
 
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 
-__all__ = ["KERNELS", "AffineCall", "BlockCall", "BlockLayout", "KernelConfig", "KvarnCall", "MAX_QUERY_TOKENS",
-           "SplitCounter", "active_backend", "assemble", "affine_attend", "affine_supported", "block_attend",
-           "block_partials", "configured", "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_fp16",
-           "merge_splits", "precompiled", "seal_records", "selfcheck", "set_config", "unpack_records", "value_tables"]
+__all__ = ["KERNELS", "AffineCall", "BlockCall", "BlockLayout", "Fp16Tokens", "KernelConfig", "KvarnCall",
+           "MAX_QUERY_TOKENS", "SplitCounter", "active_backend", "assemble", "affine_attend", "affine_supported",
+           "block_attend", "configured", "kvarn_attend", "kvarn_supported", "kvarn_tokens", "merge_splits",
+           "precompiled", "seal_records", "selfcheck", "set_config", "unpack_records", "value_tables"]

@@ -27,6 +27,7 @@ from .splits import (
     unused_counter,
 )
 
+ROTATIONS = ("none", "hadamard", "signed")  # the codes' space, by affine_decode's ROTATE: see its header
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 # affine_decode splits hold at least this many 128-token tiles: a threadgroup's fixed work (queries in, partials
 # out, merged later) costs more than tiles do (the sweep: benchmarks/results/split_sweep-h200.json)
@@ -55,53 +56,71 @@ class AffinePlan(NamedTuple):
     slut: bool  # the scales are bytes whose values are looked up (the microscaling floats)
     group_size: int  # V's values a scale (and K's, per token)
     length: int  # query tokens
-    causal: bool
-    rotate: bool  # a rotated cache: the merged output is rotated back
+    causal: bool  # with f16, the fp16 split's mask alone (the codes are older than the queries)
+    rotate: int  # the codes' space (ROTATIONS): the kernel turns the queries in and the merged output back
     merge: bool  # the kernel merges its own splits (kernel_merges)
+    f16: bool  # a last split over a block cache's fp16 tokens (`Fp16Tokens`)
 
 
 def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: int, length: int, causal: bool,
-                per_split: int | None = None, rotate: bool = False, vbits: int | None = None, kchan: bool = False,
-                lut: bool = False, slut: bool = False, merge: bool | None = None) -> AffinePlan:
+                per_split: int | None = None, rotate: int = 0, vbits: int | None = None, kchan: bool = False,
+                lut: bool = False, slut: bool = False, merge: bool | None = None, f16: bool = False) -> AffinePlan:
     """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads: splits
     of `per_split` tiles, else of at least AFFINE_MIN_TILES tiles, more where that still leaves TARGET_GROUPS
     threadgroups. `bits` is K's width (and V's, unless `vbits`); `kchan`: KIVI's K layout; `lut`: codes index value
-    tables, `slut` and so do the scale bytes (`value_tables`); `merge`: whether the kernel merges its splits (by default
-    where it can, `kernel_merges`)."""
+    tables, `slut` and so do the scale bytes (`value_tables`); `rotate`: the codes' space (an index of ROTATIONS);
+    `merge`: whether the kernel merges its splits (by default where it can, `kernel_merges`); `f16`: one more split
+    over a block cache's fp16 tokens."""
     merge = kernel_merges() if merge is None else merge
     return _affine_plan(nq, bh, -(-tokens // 128), bits, vbits or bits, kchan, lut, slut, group_size, length, causal,
-                        per_split, rotate, affine_qb_max(d), merge)
+                        per_split, rotate, affine_qb_max(d), merge, f16)
 
 
 @lru_cache(maxsize=256)
 def _affine_plan(nq: int, bh: int, tiles: int, bits: int, vbits: int, kchan: bool, lut: bool, slut: bool,
-                 group_size: int, length: int, causal: bool, per_split: int | None, rotate: bool, qb_max: int,
-                 merge: bool) -> AffinePlan:
+                 group_size: int, length: int, causal: bool, per_split: int | None, rotate: int, qb_max: int,
+                 merge: bool, f16: bool) -> AffinePlan:
     """affine_plan's arithmetic, once per geometry (the layers of a decode step repeat it; it moves every 128
     tokens)."""
     qb, nchunk = chunks(nq, qb_max)
     per_tiles = per_split or min(tiles, max(AFFINE_MIN_TILES, split_size(tiles, bh * nchunk)))
-    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles), qb, nchunk, bits, vbits, kchan, lut, slut, group_size,
-                      length, causal, rotate, merge)
+    return AffinePlan(128 * per_tiles, -(-tiles // per_tiles) + f16, qb, nchunk, bits, vbits, kchan, lut, slut,
+                      group_size, length, causal, rotate, merge, f16)
 
 
-def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float) -> tuple[mx.array, mx.array]:
-    """affine_decode's int and float parameter arrays (the token count moves every step)."""
-    return step_params((tokens, cap, plan.per, int(plan.causal)), 0), float_params(scale)
+def affine_params(plan: AffinePlan, tokens: int, cap: int, scale: float, fp16: tuple[int, int, int] = (0, 0, 0),
+                  hkv: int = 1) -> tuple[mx.array, mx.array]:
+    """affine_decode's int and float parameter arrays. `fp16`: the sink's tokens, the recent tokens and the recent
+    buffer's capacity (plan.f16); `hkv`: kv heads (the signs' rows). The count that moves every step is the
+    recent tokens' with plan.f16 (the codes grow a block at a time), else the codes' own."""
+    values = (tokens, cap, plan.per, int(plan.causal), *fp16, hkv)
+    return step_params(values, 5 if plan.f16 else 0), float_params(scale)
+
+
+@lru_cache(maxsize=1)
+def half_placeholder() -> mx.array:
+    """The float16 array affine_decode takes for fp16 stores it does not read (no F16, or no sink)."""
+    return mx.zeros((8,), mx.float16)
 
 
 def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], vparts: list[mx.array],
-                        params: mx.array, fparams: mx.array, counter: mx.array,
-                        tables: mx.array | None = None) -> tuple[mx.array, ...]:
-    """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg; with
-    plan.merge their merge (BH, NQ, D) in qg's dtype, rotated back if plan.rotate, and the counter for the next
-    launch (else placeholders). `counter`: BH * NCHUNK zeros (SplitCounter); `tables`: `value_tables` (plan.lut)."""
+                        params: mx.array, fparams: mx.array, counter: mx.array, tables: mx.array | None = None,
+                        fp16: tuple[mx.array, ...] | None = None, signs: mx.array | None = None
+                        ) -> tuple[mx.array, ...]:
+    """One affine_decode launch: partials (BH, NSPLIT, NQ, D) and (BH, NSPLIT, NQ) of grouped queries qg (in the
+    model's space; the partials in the codes'); with plan.merge their merge (BH, NQ, D) in qg's dtype and the
+    model's space, and the counter for the next launch (else placeholders). `counter`: BH * NCHUNK zeros
+    (SplitCounter); `tables`: `value_tables` (plan.lut); `fp16`: the sink's K and V and the recent buffers
+    (plan.f16, `Fp16Tokens`); `signs`: (Hkv, 1, D), ROTATIONS' "signed"."""
     bh, nq, d = qg.shape
     if plan.merge and counter.size != bh * plan.nchunk:
         raise ValueError(f"affine_decode: a counter of {counter.size} for {bh * plan.nchunk} (kv head, query chunk)s")
+    half = half_placeholder()
+    sk, sv, rk, rv = fp16 if plan.f16 else (half,) * 4
     inputs = {"q": qg, "kw": kparts[0], "ksc": kparts[1], "kbi": kparts[2], "vw": vparts[0], "vsc": vparts[1],
               "vbi": vparts[2], "params": params, "fparams": fparams, "counter": counter,
-              "tables": tables if plan.lut else fparams}
+              "tables": tables if plan.lut else fparams, "sk": sk, "sv": sv, "rk": rk, "rv": rv,
+              "signs": signs if ROTATIONS[plan.rotate] == "signed" else fparams}
     return tuple(launch(
         "affine_decode", inputs,
         {"part_o": ((bh, plan.nsplit, nq, d), mx.float32), "part_lse": ((bh, plan.nsplit, nq), mx.float32),
@@ -110,8 +129,8 @@ def affine_split_kernel(plan: AffinePlan, qg: mx.array, kparts: list[mx.array], 
         grid=(128, plan.nsplit, bh * plan.nchunk), threadgroup=(128, 1, 1),
         template={"KBITS": plan.bits, "VBITS": plan.vbits, "KCHAN": int(plan.kchan), "LUT": int(plan.lut),
                   "SLUT": int(plan.slut), "GS": plan.group_size, "D": d,
-                  "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk, "L": plan.length, "MERGE": int(plan.merge),
-                  "ROTATE": int(plan.rotate), "QDT": DTYPE_IDS[qg.dtype]},
+                  "QB": plan.qb, "NQ": nq, "NCHUNK": plan.nchunk, "L": plan.length, "F16": int(plan.f16),
+                  "MERGE": int(plan.merge), "ROTATE": plan.rotate, "QDT": DTYPE_IDS[qg.dtype]},
     ))
 
 
@@ -250,7 +269,7 @@ class AffineCall:
         kparts, vparts = parts
         hkv = kparts[0].shape[1]
         self.plan = affine_plan((hq // hkv) * length, d, b * hkv, tokens, bits, group_size, length, causal,
-                                rotate=rotate)
+                                rotate=int(rotate))
         self.arrays = (*kparts, *vparts)
         self.cap, self.scale = kparts[0].shape[2], scale
         self.counter_size = b * hkv * self.plan.nchunk
@@ -264,16 +283,15 @@ class AffineCall:
 
 
 def _affine_graph(key: tuple[AffinePlan, int], queries: mx.array, *arrays: mx.array) -> tuple[mx.array, mx.array]:
-    """affine decode attention as a graph of arrays: rotate the queries (affine_rot), split kernel (merging its
-    splits, or then split_merge); returns the output and the counter for the next launch."""
+    """affine decode attention as a graph of arrays: the split kernel (turning the queries in for affine_rot, and
+    merging its splits, or then split_merge); returns the output and the counter for the next launch."""
     plan, hkv = key
     b, hq, length, _ = queries.shape
     kw, ksc, kbi, vw, vsc, vbi, params, fparams, counter = arrays
-    q = mx.hadamard_transform(queries) if plan.rotate else queries
-    part_o, part_lse, out, after = affine_split_kernel(plan, group_queries(q, hkv), [kw, ksc, kbi], [vw, vsc, vbi],
-                                                       params, fparams, counter)
+    part_o, part_lse, out, after = affine_split_kernel(plan, group_queries(queries, hkv), [kw, ksc, kbi],
+                                                       [vw, vsc, vbi], params, fparams, counter)
     if not plan.merge:
-        out, _ = merge_splits(part_o, part_lse, rotate=plan.rotate, dtype=queries.dtype)
+        out, _ = merge_splits(part_o, part_lse, rotate=plan.rotate != 0, dtype=queries.dtype)
         after = counter
     return ungroup(out, b, hq, length), after
 

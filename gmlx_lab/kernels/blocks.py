@@ -1,14 +1,16 @@
-"""Decode attention over a block cache's encoded blocks through affine_decode (KIVI's, TurboQuant's and the
-microscaling floats' layouts), merged by log-sum-exp (`split_merge`) with the attention the cache computed over
-its fp16 sink and recent tokens.
+"""Decode attention over a block cache through affine_decode (KIVI's, TurboQuant's and the microscaling floats'
+layouts): one launch reads the encoded blocks in place and the cache's fp16 sink and recent tokens as they are
+(`Fp16Tokens`), and on CUDA merges it all; no decoded copy, no second attention.
 
 KIVI's blocks: K (B, Hkv, NB, D, ...) with one scale and offset per channel of a 32-token block (`kchan`), V
 (B, Hkv, NB, 32, ...) per token in groups of 32 channels. TurboQuant's: K and V (B, Hkv, NB, 32, ...) per token,
-codes indexing a codebook (`tables`) times the token's norm, in a rotated space (`rotation`: the queries turn in,
-the blocks' share of the output turns back). The floats' (mxfp4, nvfp4, mxfp8): per token, E2M1 or E4M3 codes in
-groups of 32 or 16 sharing a byte scale, both looked up in `tables`. Reading the block and token axes as one token
-axis is a free reshape, which makes each of them affine's row layout. Every block is older than the queries' own
-tokens (those are still fp16), so the blocks need no causal mask; the fp16 tokens' attention takes it.
+codes indexing a codebook (`tables`) times the token's norm, in a rotated space (`rotation`: the kernel turns the
+queries in and the blocks' share of the output back). The floats' (mxfp4, nvfp4, mxfp8): per token, E2M1 or E4M3
+codes in groups of 32 or 16 sharing a byte scale, both looked up in `tables`. Reading the block and token axes as
+one token axis is a free reshape, which makes each of them affine's row layout. Every block is older than the
+queries' own tokens (those are still fp16), so only the fp16 tokens take the causal mask.
+
+`block_attend` is the same algorithm in pure MLX (the CPU's check).
 """
 
 from __future__ import annotations
@@ -17,13 +19,31 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .affine import AffinePlan, affine_params, affine_partials, affine_plan, affine_split_kernel, value_tables
+from .affine import (
+    ROTATIONS,
+    AffinePlan,
+    affine_params,
+    affine_partials,
+    affine_plan,
+    affine_split_kernel,
+    half_placeholder,
+    value_tables,
+)
 from .build import graph_function
-from .splits import float_params, group_queries, merge_splits, ungroup, unused_counter
+from .splits import NEG_INF, SplitCounter, flat, float_params, group_queries, merge_splits, ungroup
 
-__all__ = ["BLOCK_TOKENS", "BlockCall", "BlockLayout", "block_attend", "block_partials", "merge_fp16", "value_tables"]
+__all__ = ["BLOCK_TOKENS", "BlockCall", "BlockLayout", "Fp16Tokens", "block_attend", "value_tables"]
 
 BLOCK_TOKENS = 32  # tokens a KIVI, TurboQuant or float block holds
+
+
+class Fp16Tokens(NamedTuple):
+    """A block cache's fp16 tokens as the kernel reads them, in the model's space: the sink's K and V (B, Hkv, NS, D)
+    or None, and the recent tokens' K and V buffers (B, Hkv, RCAP, D), whose first `count` rows hold tokens."""
+
+    sink: tuple[mx.array, mx.array] | None
+    recent: tuple[mx.array, mx.array]
+    count: int
 
 
 class BlockLayout(NamedTuple):
@@ -60,88 +80,100 @@ def turn_in(queries: mx.array, layout: BlockLayout, hkv: int) -> mx.array:
     return mx.hadamard_transform(q)
 
 
-def turn_out(part_o: mx.array, layout: BlockLayout, b: int) -> mx.array:
-    """The blocks' partial outputs (B*Hkv, NSPLIT, NQ, D) back in the model's space."""
+def turn_out(x: mx.array, layout: BlockLayout, b: int) -> mx.array:
+    """Outputs (B*Hkv, ..., D) in the blocks' space back in the model's."""
     if layout.rotation == "none":
-        return part_o
-    out = mx.hadamard_transform(part_o)
+        return x
+    out = mx.hadamard_transform(x)
     if layout.rotation == "signed":
-        bh, _, _, d = part_o.shape
-        out = (out.reshape(b, bh // b, -1, d) * layout.signs).reshape(part_o.shape)
+        out = (out.reshape(b, x.shape[0] // b, -1, x.shape[-1]) * layout.signs).reshape(x.shape)
     return out
 
 
-def block_partials(queries: mx.array, scale: float, layout: BlockLayout, blocks: int, emulate: bool = False
-                   ) -> tuple[mx.array, mx.array]:
-    """Split partials (B*Hkv, NSPLIT, G*L, D), in the model's space, and their log-sum-exps over the first `blocks`
-    blocks for queries (B, Hq, L, D), without a decoded copy. `emulate`: the kernel's algorithm in pure MLX (the
-    CPU's check); else one kernel launch."""
-    b, _, length, _ = queries.shape
+def fp16_split(queries: mx.array, scale: float, fp16: Fp16Tokens, causal: bool) -> tuple[mx.array, mx.array] | None:
+    """The kernel's fp16 split in pure MLX: float32 attention of queries (B, Hq, L, D) over the sink and recent
+    tokens, the newest L of them the queries' own under the causal mask, as one partial (B*Hkv, 1, G*L, D) and its
+    log-sum-exp (B*Hkv, 1, G*L); None where there are no fp16 tokens."""
+    pieces = [x for x in (fp16.sink, tuple(r[:, :, :fp16.count] for r in fp16.recent)) if x and x[0].shape[2]]
+    if not pieces:
+        return None
+    k, v = (flat(mx.concatenate(xs, axis=2)).astype(mx.float32) for xs in zip(*pieces))
+    b, hq, length, _ = queries.shape
+    qg = group_queries(queries.astype(mx.float32), k.shape[0] // b) * scale
+    scores = qg @ k.swapaxes(-1, -2)  # (B*Hkv, G*L, T)
+    if causal:
+        tokens = k.shape[1]
+        newest = tokens - length + mx.arange(qg.shape[1]) % length  # the last token query vector j may see
+        scores = mx.where(mx.arange(tokens)[None] > newest[:, None], NEG_INF, scores)
+    lse = mx.logsumexp(scores, axis=-1)
+    return (mx.exp(scores - lse[..., None]) @ v)[:, None], lse[:, None]
+
+
+def block_attend(queries: mx.array, scale: float, layout: BlockLayout, blocks: int, fp16: Fp16Tokens,
+                 causal: bool) -> mx.array:
+    """The kernel's algorithm in pure MLX: split partials over the first `blocks` blocks for queries (B, Hq, L, D),
+    turned back to the model's space, and the fp16 tokens' split (`fp16_split`), merged by log-sum-exp; the output in
+    the queries' dtype."""
+    b, hq, length, _ = queries.shape
     kparts, vparts = rows(layout)
     hkv = vparts[0].shape[1]
     part_o, part_lse = affine_partials(group_queries(turn_in(queries, layout, hkv), hkv), scale, kparts, vparts,
                                        blocks * BLOCK_TOKENS, layout.bits[0], layout.group_size, length, False,
-                                       emulate=emulate, vbits=layout.bits[1], kchan=layout.kchan,
-                                       tables=layout.tables)
-    return turn_out(part_o, layout, b), part_lse
-
-
-def merge_fp16(part_o: mx.array, part_lse: mx.array, fp16: tuple[mx.array, mx.array] | None, shape: tuple[int, ...],
-               dtype: mx.Dtype, emulate: bool = False) -> mx.array:
-    """The blocks' partials merged with `fp16`, the queries' attention over the fp16 tokens (B, Hq, L, D) and its
-    log-sum-exp (B, Hq, L), or None: the attention output (B, Hq, L, D) of `shape`, in `dtype`."""
-    b, hq, length, _ = shape
-    if fp16 is not None:
-        out, lse = fp16
-        hkv = part_o.shape[0] // b
-        part_o = mx.concatenate([part_o, group_queries(out, hkv)[:, None].astype(mx.float32)], axis=1)
-        part_lse = mx.concatenate([part_lse, lse.reshape(b * hkv, 1, -1)], axis=1)
-    out, _ = merge_splits(part_o, part_lse, dtype=dtype, emulate=emulate)
+                                       emulate=True, vbits=layout.bits[1], kchan=layout.kchan, tables=layout.tables)
+    part_o = turn_out(part_o, layout, b)
+    split = fp16_split(queries, scale, fp16, causal)
+    if split is not None:
+        part_o, part_lse = (mx.concatenate([a, c], axis=1) for a, c in zip((part_o, part_lse), split))
+    out, _ = merge_splits(part_o, part_lse, dtype=queries.dtype, emulate=True)
     return ungroup(out, b, hq, length)
 
 
-def block_attend(queries: mx.array, scale: float, layout: BlockLayout, blocks: int,
-                 fp16: tuple[mx.array, mx.array] | None, emulate: bool = False) -> mx.array:
-    """Attention over the blocks and the fp16 tokens (`merge_fp16`), in the queries' dtype, built op by op (the
-    emulation, and a first step); a decode step on a GPU keeps a `BlockCall` instead."""
-    part_o, part_lse = block_partials(queries, scale, layout, blocks, emulate)
-    return merge_fp16(part_o, part_lse, fp16, queries.shape, queries.dtype, emulate)
-
-
 class BlockCall:
-    """A block cache's decode attention prepared for decode steps, as `AffineCall`: its plan and compiled graph
-    (`build.graph_function`). A step passes the queries, the block count and the fp16 tokens' attention. It holds
-    while the blocks stay in one 128-token tile, the buffers are the same objects and the fp16 tokens are (or are
-    not) there; the cache keeps it that long (`KernelRoute.kept_call`)."""
+    """A block cache's decode attention prepared for decode steps, as `AffineCall`: its plan, compiled graph
+    (`build.graph_function`) and the arrays it reads (the blocks' and the fp16 tokens' buffers, written in place by
+    later steps). A step passes the queries, the block count, the recent tokens' count and the cache's counter. It
+    holds while the blocks stay in one 128-token tile and the buffers are the same objects; the cache keeps it
+    that long (`KernelRoute.kept_call`)."""
 
-    def __init__(self, shape: tuple[int, ...], scale: float, layout: BlockLayout, blocks: int, fp16: bool):
+    def __init__(self, shape: tuple[int, ...], scale: float, layout: BlockLayout, blocks: int, causal: bool,
+                 fp16: Fp16Tokens):
         b, hq, length, d = shape
         kparts, vparts = layout.body
         hkv = vparts[0].shape[1]
         self.plan = affine_plan((hq // hkv) * length, d, b * hkv, blocks * BLOCK_TOKENS, layout.bits[0],
-                                layout.group_size, length, False, vbits=layout.bits[1], kchan=layout.kchan,
-                                lut=layout.tables is not None, slut=vparts[1].dtype == mx.uint8, merge=False)
-        self.cap, self.scale = vparts[0].shape[2] * BLOCK_TOKENS, scale
+                                layout.group_size, length, causal, vbits=layout.bits[1], kchan=layout.kchan,
+                                lut=layout.tables is not None, slut=vparts[1].dtype == mx.uint8,
+                                rotate=ROTATIONS.index(layout.rotation), f16=True)
+        self.cap, self.scale, self.hkv = vparts[0].shape[2] * BLOCK_TOKENS, scale, hkv
+        self.sink = 0 if fp16.sink is None else fp16.sink[0].shape[2]
+        self.rcap = fp16.recent[0].shape[2]
         unused = float_params(0.0)  # stands in for the tables and signs a layout has not
         extra = [unused if x is None else x for x in (layout.tables, layout.signs)]
-        # the buffers themselves (a step writes blocks into them in place), read as rows inside the graph
-        self.arrays = (*kparts, *vparts, *extra, unused_counter(b * hkv * self.plan.nchunk))
-        self.graph = graph_function(_block_graph, (self.plan, hkv, layout.rotation, fp16))
+        sink = fp16.sink or (half_placeholder(),) * 2
+        self.arrays = (*kparts, *vparts, *extra, *sink, *fp16.recent)
+        self.counter_size = b * hkv * self.plan.nchunk
+        self.graph = graph_function(_block_graph, (self.plan, hkv))
 
-    def __call__(self, queries: mx.array, blocks: int, fp16: tuple[mx.array, mx.array] | None) -> mx.array:
-        params = affine_params(self.plan, blocks * BLOCK_TOKENS, self.cap, self.scale)
-        return self.graph(queries, *self.arrays, *params, *(fp16 or ()))
+    def __call__(self, queries: mx.array, blocks: int, recent: int, counter: SplitCounter) -> mx.array:
+        params = affine_params(self.plan, blocks * BLOCK_TOKENS, self.cap, self.scale, (self.sink, recent, self.rcap),
+                               self.hkv)
+        out, after = self.graph(queries, *self.arrays, *params, counter.take(self.counter_size))
+        counter.put(after)
+        return out
 
 
-def _block_graph(key: tuple[AffinePlan, int, str, bool], queries: mx.array, *arrays: mx.array) -> mx.array:
-    """The block attention as a graph of arrays: queries turned into the blocks' space, the split kernel, its
-    partials turned back and merged with the fp16 tokens' attention (when `key` says there is one)."""
-    plan, hkv, rotation, has_fp16 = key
-    kw, ksc, kbi, vw, vsc, vbi, tables, signs, counter, params, fparams, *fp16 = arrays
+def _block_graph(key: tuple[AffinePlan, int], queries: mx.array, *arrays: mx.array) -> tuple[mx.array, mx.array]:
+    """The block attention as a graph of arrays: one kernel launch over the blocks (read as rows) and the fp16
+    tokens, which on CUDA also merges its splits and turns the output back; elsewhere split_merge and `turn_out`
+    do. Returns the output and the counter for the next launch."""
+    plan, hkv = key
+    kw, ksc, kbi, vw, vsc, vbi, tables, signs, sk, sv, rk, rv, params, fparams, counter = arrays
     layout = BlockLayout([[kw, ksc, kbi], [vw, vsc, vbi]], (plan.bits, plan.vbits), plan.group_size, plan.kchan,
-                         tables if plan.lut else None, rotation, signs)
-    b = queries.shape[0]
-    qg = group_queries(turn_in(queries, layout, hkv), hkv)
-    part_o, part_lse, *_ = affine_split_kernel(plan, qg, *rows(layout), params, fparams, counter, layout.tables)
-    return merge_fp16(turn_out(part_o, layout, b), part_lse, tuple(fp16) if has_fp16 else None, queries.shape,
-                      queries.dtype)
+                         tables if plan.lut else None, ROTATIONS[plan.rotate], signs)
+    b, hq, length, _ = queries.shape
+    part_o, part_lse, out, after = affine_split_kernel(plan, group_queries(queries, hkv), *rows(layout), params,
+                                                       fparams, counter, layout.tables, (sk, sv, rk, rv), signs)
+    if not plan.merge:
+        out, _ = merge_splits(part_o, part_lse)
+        out, after = turn_out(out, layout, b).astype(queries.dtype), counter
+    return ungroup(out, b, hq, length), after

@@ -20,10 +20,10 @@ from ..cache.buffers import KV
 from ..cache.kvarn.records import KvarnParts, decode_tokens, encode_tokens, unpack_rows
 from . import config
 from .affine import affine_attend, affine_partials
-from .blocks import BlockCall, BlockLayout, block_attend, value_tables
+from .blocks import BlockCall, BlockLayout, Fp16Tokens, block_attend, value_tables
 from .build import active_backend, forget_kernels, kernel_backend
 from .kvarn import kvarn_attend, kvarn_partials, kvarn_tokens, seal_records, unpack_records
-from .splits import group_queries, merge_splits
+from .splits import SplitCounter, group_queries, merge_splits
 
 TOLERANCE = 1e-2  # relative error against the float32 emulation (the tensor cores take float16 operands)
 
@@ -87,10 +87,11 @@ def _check_affine_decode() -> float:
 
 
 def _check_block_layouts() -> float:
-    """The block caches' layouts against the emulation, with two query tokens and an fp16 tokens' attention to
-    merge: KIVI's K (per channel over 32-token blocks, 3-bit codes crossing words) with 2-bit V; TurboQuant's
-    codebook codes (random words: every bit pattern is a code) times fp16 norms, 3-bit K and 8-bit V, in a signed
-    Hadamard space; and codes with byte scales looked up in groups of 16 (nvfp4's), Hadamard-rotated."""
+    """The block caches' layouts as the caches run them (a kept call reading the blocks and the fp16 tokens) against
+    the emulation, with two query tokens under the causal mask: KIVI's K (per channel over 32-token blocks, 3-bit
+    codes crossing words) with 2-bit V; TurboQuant's codebook codes (random words: every bit pattern is a code)
+    times fp16 norms, 3-bit K and 8-bit V, in a signed Hadamard space; and codes with byte scales looked up in
+    groups of 16 (nvfp4's), Hadamard-rotated. Each with a 4-token sink and 40 recent tokens in a 64-token buffer."""
     mx.random.seed(14)
     k, v = (mx.random.normal((1, 2, 9, 32, 128)).astype(mx.float16) for _ in range(2))
     kivi = [list(mx.quantize(mx.contiguous(k.swapaxes(-1, -2)), group_size=32, bits=3)),
@@ -106,12 +107,13 @@ def _check_block_layouts() -> float:
                BlockLayout(turbo, (3, 8), 128, tables=value_tables(table[:8], table), rotation="signed", signs=signs),
                BlockLayout(floats, (4, 4), 16, tables=value_tables(table[:16], table[16:32], mx.abs(table) + 0.5),
                            rotation="hadamard"))
+    sink = KV(*(mx.random.normal((1, 2, 4, 128)).astype(mx.float16) for _ in range(2)))
+    recent = KV(*(mx.random.normal((1, 2, 64, 128)).astype(mx.float16) for _ in range(2)))
     q = mx.random.normal((1, 4, 2, 128)).astype(mx.float16)
-    fp16 = mx.random.normal((1, 4, 2, 128)), mx.random.normal((1, 4, 2)) + 3.0  # attention over fp16 tokens, its lse
-    errors = []
-    for layout in layouts:  # as the caches run it (a kept call) against the emulation
-        got = BlockCall(q.shape, 0.09, layout, 9, True)(q, 9, fp16)
-        errors.append(_relative(got, block_attend(q, 0.09, layout, 9, fp16, emulate=True)))
+    fp16, errors = Fp16Tokens(sink, recent, 40), []
+    for layout in layouts:
+        got = BlockCall(q.shape, 0.09, layout, 9, True, fp16)(q, 9, 40, SplitCounter())
+        errors.append(_relative(got, block_attend(q, 0.09, layout, 9, fp16, True)))
     return max(errors)
 
 
