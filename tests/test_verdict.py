@@ -375,6 +375,25 @@ def test_speeds_are_read_side_by_side_from_the_committed_files() -> None:
         read_source(Source("x", "nosuch.json", 1))
 
 
+
+def test_a_setting_of_several_runs_reads_each_row_beside_its_own_baseline(tmp_path: Path) -> None:
+    """A row the first file lacks is read from the next, its ratio taken to that file's own KVCache; rows of two
+    files are never ranked against each other (`faster`)."""
+    def run(name: str, base_ms: float, rows: dict[str, float]) -> None:
+        made = [{"label": label, "context": 64, "decode_ms_median": ms, "decode_ms_p10": ms * 0.9,
+                 "decode_ms_p90": ms * 1.1, "timed_tokens": 100} for label, ms in {"mlx-lm KVCache": base_ms,
+                                                                                     **rows}.items()]
+        (tmp_path / name).write_text(json.dumps({"commit": "abc1234", "device": "card", "rows": made}))
+
+    run("a.json", 10.0, {"kvarn4 tail=1024": 8.0})
+    run("b.json", 20.0, {"kivi4 tail=128": 10.0})
+    table = read_source(Source("GPU, batch 1", "a.json", 64, more=("b.json",)), tmp_path)
+    kvarn, kivi = table.of("kvarn4"), table.of("kivi4")
+    assert (kvarn.file, kvarn.ratio) == ("a.json", 10.0 / 8.0) and (kivi.file, kivi.ratio) == ("b.json", 2.0)
+    assert not kvarn.faster_than(kivi) and not kivi.faster_than(kvarn)
+    missing = table.of("turboquant4")
+    assert not missing.measured and "a.json, b.json" in missing.reason
+
 # -- notebooks state a winner only through compare --------------------------------------------------------------
 
 _CODE_SPAN = re.compile(r"`[^`]*`")

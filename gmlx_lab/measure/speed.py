@@ -5,7 +5,8 @@ the committed benchmark files, or "unmeasured" with the reason.
     for s in speeds.of("kivi4 tail=128"):
         print(s.setting, s.text())            # GPU, batch 1  0.15x (66 steps; model_decode-....json)
 
-Each setting is one file (`SOURCES`), every ratio within it measured side by side in one run:
+Each setting is one file or a few (`SOURCES`), every ratio measured beside the baseline in one run (a row is read
+from the first of a setting's files that has it; rows of two files are never compared):
 - GPU, batch 1: `benchmarks/model_decode.py --shape llama3-8b` (Llama-3-8B shapes, random fp16 weights);
 - GPU, batch 8: `benchmarks/batch_capacity.py --grid 8x32768` (the caches resident together, decoding in turns);
 - CPU, batch 1: `benchmarks/model_decode.py` on the bundled model (float32 on this project's CPU).
@@ -36,12 +37,19 @@ class Source:
     file: str
     context: int
     weight_bits: int = 16
+    more: tuple[str, ...] = ()  # further runs of the setting, each beside its own baseline: a row `file` lacks
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Every run of the setting, in the order a row is looked for."""
+        return (self.file, *self.more)
 
 
 # The current code's runs: a newer run of the same setting replaces its file here (and the old file goes to
 # docs/history with the text that cited it).
 SOURCES: tuple[Source, ...] = (
-    Source("GPU, batch 1", "model_decode-573cd00-h100-80gb-hbm3.json", 32768),
+    Source("GPU, batch 1", "model_decode-rest-4b54d62-h100-80gb-hbm3.json", 32768,
+           more=("model_decode-field-4b54d62-h100-80gb-hbm3.json",)),
     Source("GPU, batch 8", "batch_capacity-w16-8x32k-h200.json", 32768),
     Source("CPU, batch 1", "model_decode-cpu.json", 4096),
 )
@@ -114,12 +122,17 @@ class SpeedFile:
     baseline_ms: float
     commit: str
     device: str
+    file: str = ""  # which of the source's runs (its first by default)
+    then: SpeedFile | None = None  # the source's next run, asked for a row this one lacks
 
     def of(self, label: str) -> Speed:
-        setting, file = self.source.setting, self.source.file
+        setting, file = self.source.setting, self.file or self.source.file
         row = self.rows.get(label) or self.rows.get(speed_key(label))
+        if row is None and self.then is not None:
+            return self.then.of(label)
         if row is None:
-            return Speed(setting, label, file=file, reason=f"{speed_key(label)} has no row in {file} (commit "
+            files = ", ".join(self.source.files)
+            return Speed(setting, label, file=file, reason=f"{speed_key(label)} has no row in {files} (commit "
                                                             f"{self.commit})")
         if "decode_ms_median" in row:  # model_decode
             median, p10, p90, steps = (row["decode_ms_median"], row["decode_ms_p10"],
@@ -130,9 +143,11 @@ class SpeedFile:
                      self.baseline_ms, file, self.commit, self.device)
 
 
-def read_source(source: Source, folder: Path | None = None) -> SpeedFile:
-    """The rows of one committed speed file at the source's context and weight width."""
-    path = (folder or RESULTS_DIR) / source.file
+def read_source(source: Source, folder: Path | None = None, run: int = 0) -> SpeedFile:
+    """The rows of a source's committed speed files at its context and weight width, from its `run`-th file on (each
+    row's ratio against its own file's baseline)."""
+    name = source.files[run]
+    path = (folder or RESULTS_DIR) / name
     if not path.is_file():
         raise FileNotFoundError(f"no speed file {path.name}; run benchmarks/model_decode.py or batch_capacity.py")
     data = json.loads(path.read_text())
@@ -141,13 +156,14 @@ def read_source(source: Source, folder: Path | None = None) -> SpeedFile:
             and r.get("weight_bits", data.get("weight_bits", 16)) == source.weight_bits and "error" not in r]
     base = next((r for r in rows if r["label"] == BASELINE_LABEL), None)
     if base is None:
-        raise ValueError(f"{source.file} has no {BASELINE_LABEL} row at {source.context} tokens and "
+        raise ValueError(f"{name} has no {BASELINE_LABEL} row at {source.context} tokens and "
                          f"{source.weight_bits}-bit weights: nothing to take a ratio to")
     mine = [r for r in rows if r["label"] != BASELINE_LABEL and ", " not in r["label"]]  # ", ": probes, paths
     by_key = {**{speed_key(r["label"]): r for r in mine}, **{r["label"]: r for r in mine}}
     median = base.get("decode_ms_median", base.get("step_ms_median"))
+    then = read_source(source, folder, run + 1) if run + 1 < len(source.files) else None
     return SpeedFile(source, by_key, float(median), str(data.get("commit", "unknown"))[:7],
-                     str(data.get("device", "unknown device")))
+                     str(data.get("device", "unknown device")), name, then)
 
 
 @dataclass(frozen=True)

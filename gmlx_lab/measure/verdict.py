@@ -558,6 +558,7 @@ def summary(speeds: SpeedTable) -> list[str]:
     if gpu:
         fastest, slowest = max(gpu, key=lambda s: s.ratio), min(gpu, key=lambda s: s.ratio)
         text += (f"; on the GPU, through their fused kernels, {slowest.ratio:.2f}-{fastest.ratio:.2f}x (fastest "
-                 f"{fastest.measured_as}, slowest {slowest.measured_as}; `{gpu[0].file}`, {gpu[0].device})")
+                 f"{fastest.measured_as}, slowest {slowest.measured_as}; "
+                 + " and ".join(f"`{name}`" for name in dict.fromkeys(s.file for s in gpu)) + f", {gpu[0].device})")
     out.append(text + ". docs/gpu-performance.md says where the memory they save buys speed: more sequences at once.")
     return out
