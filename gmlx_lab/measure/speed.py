@@ -122,11 +122,11 @@ class SpeedFile:
     baseline_ms: float
     commit: str
     device: str
-    file: str = ""  # which of the source's runs (its first by default)
-    then: SpeedFile | None = None  # the source's next run, asked for a row this one lacks
+    file: str  # which of the source's runs this is
+    then: SpeedFile | None  # the source's next run, asked for a row this one lacks
 
     def of(self, label: str) -> Speed:
-        setting, file = self.source.setting, self.file or self.source.file
+        setting, file = self.source.setting, self.file
         row = self.rows.get(label) or self.rows.get(speed_key(label))
         if row is None and self.then is not None:
             return self.then.of(label)
