@@ -863,19 +863,27 @@ def test_metal_address_spaces_are_kept_apart() -> None:
 def test_metal_threadgroup_memory_fits_apple_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Apple GPUs give a threadgroup 32 KB. The runner refuses a Metal kernel that declares more (affine_decode
     with 4 query vectors of head_dim 1024: 35 KB), and kernels/affine.py picks 3 there (kernels/kvarn.py two warps
-    past 256)."""
+    past 256). KIVI's K takes 4 rows of `part` for its folded queries: at head_dim 512 three vectors fit, and a
+    KIVI cache there runs from Metal's source and matches the emulation."""
     c = _affine_cache(4, 128, 1024, 128 + 5, seed=0)
     q = mx.random.normal((1, 4, 2, 1024))
     c.attention_path = "fused"
     with _on_cpu(), threads.on_cpu_threads("metal"):
         assert affine.affine_qb_max(1024) == 3 and kvarn.kvarn_warps(512) == 2 and kvarn.kvarn_warps(256) == 4
+        assert [affine.affine_qb_max(d, kchan=True) for d in (128, 256, 512, 1024)] == [4, 4, 3, 1]
         out = _attend(c, q, "causal")
-        monkeypatch.setattr(affine, "affine_qb_max", lambda d: 4)
+        kivi, keys, values = _block_cache("kivi4", 512, 300, 1, seed=3)
+        qk = mx.random.normal((1, 8, 1, 512))
+        kivi.attention_path = "fused"
+        fused = kivi.attend(qk, keys, values, 512**-0.5, None)
+        monkeypatch.setattr(affine, "affine_qb_max", lambda d, kchan=False: 4)
         fresh = _affine_cache(4, 128, 1024, 128 + 5, seed=0)  # c keeps its call while its inputs stay
         fresh.attention_path = "fused"
         with pytest.raises(RuntimeError, match="35008 bytes of threadgroup memory; Apple GPUs allow 32768"):
             _attend(fresh, q, "causal")
     assert _rel(out, _affine_dequantized_reference(c, q, "causal")) < 2e-3
+    kivi.attention_path = "emulated"
+    assert _rel(fused, kivi.attend(qk, keys, values, 512**-0.5, None)) < KERNEL_TOL
 
 
 def test_metal_mma_slip_fails(monkeypatch: pytest.MonkeyPatch) -> None:

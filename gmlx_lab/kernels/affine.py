@@ -34,11 +34,17 @@ QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadg
 AFFINE_MIN_TILES = 16
 
 
-def affine_qb_max(d: int) -> int:
-    """Query vectors per affine_decode threadgroup: QB_MAX, but 3 past head_dim 512 on Metal, where a threadgroup
-    has 32 KB of memory and each query vector takes 4 D bytes + 4.6 KB of it (itself, its softmax weights and
-    the token lanes' outputs): 35 KB for four at head_dim 1024."""
-    return 3 if d > 512 and kernel_backend() == "metal" else QB_MAX
+def affine_qb_max(d: int, kchan: bool = False) -> int:
+    """Query vectors per affine_decode threadgroup: QB_MAX, or on Metal, whose threadgroup has 32 KB of memory, as
+    many as fit there. Each takes 4 D bytes for itself, at most D / 4 for its group sums, 528 for its softmax
+    weights and maxima, and 4 D for each row of `part`: the token lanes' outputs (128 / (D / 8) rows), or with
+    KIVI's K (`kchan`) at least 4 (each warp's folded queries). Three fit at head_dim 1024 (four take 35 KB),
+    one there with kchan."""
+    if kernel_backend() != "metal":
+        return QB_MAX
+    part_rows = max(128 // (d // 8), 4 if kchan else 1)
+    per_vector = 4 * d + d // 4 + 528 + 4 * part_rows * d
+    return max(1, min(QB_MAX, 32768 // per_vector))
 
 
 class AffinePlan(NamedTuple):
@@ -73,7 +79,7 @@ def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: in
     over a block cache's fp16 tokens."""
     merge = kernel_merges() if merge is None else merge
     return _affine_plan(nq, bh, -(-tokens // 128), bits, vbits or bits, kchan, lut, slut, group_size, length, causal,
-                        per_split, rotate, affine_qb_max(d), merge, f16)
+                        per_split, rotate, affine_qb_max(d, kchan), merge, f16)
 
 
 @lru_cache(maxsize=256)
