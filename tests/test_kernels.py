@@ -683,6 +683,32 @@ def test_a_decode_steps_fetch_on_the_fused_route_is_the_full_fetch(spec: str) ->
         assert all(mx.array_equal(a, b).item() for a, b in zip(got, want)), step
 
 
+def test_a_block_cache_that_rotates_on_arrival_takes_the_reference_path() -> None:
+    """The kernel reads a block cache's fp16 tokens in the model's space; a subclass that rotates every token on
+    arrival (its sink and recent tokens stored rotated) attends through the reference path, so the "emulated"
+    route gives the reference output, and the rotation is undone."""
+    from gmlx_lab.cache.kivi import KiviCache
+
+    class RotatedKivi(KiviCache):
+        rotate_on_arrival = True
+
+        def rotate(self, x: mx.array) -> mx.array:
+            return mx.hadamard_transform(x)
+
+        unrotate = rotate  # the normalized transform is its own inverse
+
+    c = RotatedKivi(sink_tokens=4)
+    c.update_and_fetch(*random_kv(300, 2, 128, seed=1))
+    keys, values = c.update_and_fetch(*random_kv(1, 2, 128, seed=2))
+    q = mx.random.normal((1, 4, 1, 128))
+    c.attention_path = "emulated"
+    out = c.attend(q, keys, values, 128**-0.5, None)
+    c.attention_path = "reference"
+    assert c.n_blocks and mx.array_equal(out, c.attend(q, keys, values, 128**-0.5, None)).item()
+    plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=128**-0.5, mask=None)
+    assert _rel(out, plain) < 1e-5  # the fetched K/V are in the model's space
+
+
 @pytest.mark.parametrize("spec", ["kivi4", "turboquant4", "turboquant:bits=4,qjl=1", "nvfp4"])
 def test_a_block_cache_takes_the_reference_path_where_the_kernel_does_not_apply(spec: str) -> None:
     """Before its first block a cache is all fp16, and TurboQuant's QJL has no fused form: the "emulated" route

@@ -110,7 +110,8 @@ class BlockKernelRoute(KernelRoute):
     """For a block cache whose blocks affine_decode reads in place (KIVI, TurboQuant, the floats: kernels/blocks.py):
     `attend` in one launch over the codes and the fp16 sink and recent tokens, where `kernel_layout` gives the
     blocks' layout; elsewhere (the CPU, no block yet, V rows wider or narrower than K's, a layout the kernel lacks)
-    the base's reference path. The fp16 tokens are read in the model's space (no rotation on arrival)."""
+    the base's reference path. The kernel reads the fp16 tokens in the model's space, so a cache that rotates
+    them on arrival (`rotate_on_arrival`, a plug-in's choice) takes the reference path too."""
 
     KERNELS = ("affine_decode",)
     _counter: SplitCounter | None = None  # the merging kernel's counter, one per cache
@@ -120,7 +121,8 @@ class BlockKernelRoute(KernelRoute):
         raise NotImplementedError
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        ready = self.n_blocks and self.recent.k.data is not None and values.shape[-1] == queries.shape[-1]
+        ready = (self.n_blocks and not self.rotate_on_arrival and self.recent.k.data is not None
+                 and values.shape[-1] == queries.shape[-1])
         layout = self.kernel_layout() if ready else None
         route = self.kernel_route(layout is not None and affine_supported(queries, mask), "affine_decode")
         if route is None:
