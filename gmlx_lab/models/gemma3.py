@@ -20,6 +20,7 @@ What the conversion does, step by step:
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,7 @@ def ensure_converted() -> Path:
     if conversion.package_dir("gguf") is None:  # a declared dependency, absent only from an older install
         raise PackageMissingError(f"converting {NAME} needs the `gguf` package (llama.cpp's GGUF reader). "
                                   "Install it with:\n    pip install gguf")
-    print(f"[models] converting {PACKAGE}'s GGUF to an mlx-lm folder in {converted_dir()} (once)")
+    print(f"[models] converting {PACKAGE}'s GGUF to an mlx-lm folder in {converted_dir()} (once)", file=sys.stderr)
     return convert(converted_dir())
 
 

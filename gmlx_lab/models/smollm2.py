@@ -18,6 +18,7 @@ What the conversion does, step by step:
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -85,7 +86,7 @@ def ensure_converted() -> Path:
     source = gguf_path()
     if source is None:
         raise conversion.missing_package(NAME, PACKAGE, INSTALL_COMMAND)
-    print(f"[models] converting {source.name} to an mlx-lm folder in {converted_dir()} (once)")
+    print(f"[models] converting {source.name} to an mlx-lm folder in {converted_dir()} (once)", file=sys.stderr)
     return convert(source, converted_dir())
 
 
