@@ -375,7 +375,6 @@ def test_speeds_are_read_side_by_side_from_the_committed_files() -> None:
         read_source(Source("x", "nosuch.json", 1))
 
 
-
 def test_a_setting_of_several_runs_reads_each_row_beside_its_own_baseline(tmp_path: Path) -> None:
     """A row the first file lacks is read from the next, its ratio taken to that file's own KVCache; rows of two
     files are never ranked against each other (`faster`)."""
@@ -449,6 +448,19 @@ def test_readme_and_results_doc_show_the_committed_verdict() -> None:
     for table in (markdown_table(load_verdict(LEAD_MODEL), speeds=speeds),
                   markdown_table(load_verdict(SECOND_MODEL), SECOND_BUDGETS, speeds)):
         assert table in doc, "docs/results.md: paste gmlx_lab.measure.verdict.markdown_table's output"
+
+
+def test_results_doc_speed_table_reads_the_committed_speed_files() -> None:
+    """docs/results.md's speed table (rows beside fidelity) shows each row's speed as the committed files give it
+    now (`SpeedTable.of`), so a newer speed file cannot leave an older ratio there."""
+    doc = (ROOT / "docs" / "results.md").read_text()
+    block = doc.split("<!-- speed table: gmlx_lab.measure.verdict.speed_rows -->")[1].split("<!-- end of speed")[0]
+    rows = block.strip().splitlines()[2:]
+    assert rows
+    speeds = committed_speeds()
+    for line in rows:
+        label, *cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells == [s.short() for s in speeds.of(label)], f"docs/results.md speed table, row {label}"
 
 
 def test_verdict_benchmark_goes_on_where_a_run_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
