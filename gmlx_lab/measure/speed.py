@@ -181,7 +181,7 @@ class SpeedTable:
         found = self.of(label)
         if any(s.measured for s in found):
             return next(s for s in found if s.measured)
-        files = ", ".join(f.source.file for f in self.files)
+        files = ", ".join(name for f in self.files for name in f.source.files)
         return Speed(found[0].setting, label, reason=f"{speed_key(label)} has no row in {files}")
 
     def pair(self, a: str, b: str) -> tuple[Speed, Speed] | None:
