@@ -29,9 +29,10 @@ from .splits import (
 
 ROTATIONS = ("none", "hadamard", "signed")  # the codes' space, by affine_decode's ROTATE: see its header
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
-# affine_decode splits hold at least this many 128-token tiles: a threadgroup's fixed work (queries in, partials
-# out, merged later) costs more than tiles do (the sweep: benchmarks/results/split_sweep-h200.json)
-AFFINE_MIN_TILES = 16
+# affine_decode's threadgroups a call: one wave of four a multiprocessor (its register count allows four) on a
+# 132-SM H100 or H200. Each thread waits on its own loads, so a call needs every warp slot it can get; more
+# groups than one wave only add splits to merge (docs/gpu-performance.md, "How affine_decode splits")
+AFFINE_GROUPS = 528
 
 
 def affine_qb_max(d: int, kchan: bool = False) -> int:
@@ -72,9 +73,9 @@ def affine_plan(nq: int, d: int, bh: int, tokens: int, bits: int, group_size: in
                 per_split: int | None = None, rotate: int = 0, vbits: int | None = None, kchan: bool = False,
                 lut: bool = False, slut: bool = False, merge: bool | None = None, f16: bool = False) -> AffinePlan:
     """How an affine_decode call over `tokens` rows splits its work, for nq grouped query vectors of bh kv heads: splits
-    of `per_split` tiles, else of at least AFFINE_MIN_TILES tiles, more where that still leaves TARGET_GROUPS
-    threadgroups. `bits` is K's width (and V's, unless `vbits`); `kchan`: KIVI's K layout; `lut`: codes index value
-    tables, `slut` and so do the scale bytes (`value_tables`); `rotate`: the codes' space (an index of ROTATIONS);
+    of `per_split` tiles, else as many splits as make about AFFINE_GROUPS threadgroups. `bits` is K's width (and
+    V's, unless `vbits`); `kchan`: KIVI's K layout; `lut`: codes index value tables, `slut` and so do the scale
+    bytes (`value_tables`); `rotate`: the codes' space (an index of ROTATIONS);
     `merge`: whether the kernel merges its splits (by default where it can, `kernel_merges`); `f16`: one more split
     over a block cache's fp16 tokens."""
     merge = kernel_merges() if merge is None else merge
@@ -89,7 +90,7 @@ def _affine_plan(nq: int, bh: int, tiles: int, bits: int, vbits: int, kchan: boo
     """affine_plan's arithmetic, once per geometry (the layers of a decode step repeat it; it moves every 128
     tokens)."""
     qb, nchunk = chunks(nq, qb_max)
-    per_tiles = per_split or min(tiles, max(AFFINE_MIN_TILES, split_size(tiles, bh * nchunk)))
+    per_tiles = per_split or split_size(tiles, bh * nchunk, AFFINE_GROUPS)
     return AffinePlan(128 * per_tiles, -(-tiles // per_tiles) + f16, qb, nchunk, bits, vbits, kchan, lut, slut,
                       group_size, length, causal, rotate, merge, f16)
 

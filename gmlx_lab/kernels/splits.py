@@ -77,9 +77,9 @@ def chunks(nq: int, qb_max: int) -> tuple[int, int]:
     return qb, (nq + qb - 1) // qb
 
 
-def split_size(units: int, groups_per_split: int) -> int:
-    """Units (records or 128-token tiles) per split so that about TARGET_GROUPS groups run."""
-    nsplit = max(1, min(units, -(-TARGET_GROUPS // max(groups_per_split, 1))))
+def split_size(units: int, groups_per_split: int, target: int = TARGET_GROUPS) -> int:
+    """Units (records or 128-token tiles) per split so that about `target` groups run."""
+    nsplit = max(1, min(units, -(-target // max(groups_per_split, 1))))
     return -(-units // nsplit)
 
 
