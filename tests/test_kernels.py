@@ -889,14 +889,14 @@ def test_metal_address_spaces_are_kept_apart() -> None:
 def test_metal_threadgroup_memory_fits_apple_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Apple GPUs give a threadgroup 32 KB. The runner refuses a Metal kernel that declares more (affine_decode
     with 4 query vectors of head_dim 1024: 35 KB), and kernels/affine.py picks 3 there (kernels/kvarn.py two warps
-    past 256). KIVI's K takes 4 rows of `part` for its folded queries: at head_dim 512 three vectors fit, and a
-    KIVI cache there runs from Metal's source and matches the emulation."""
+    past 256). KIVI's K stages its code words and folded queries beside them: three vectors fit at head_dim 512
+    and 1024, and a KIVI cache at 512 runs from Metal's source and matches the emulation."""
     c = _affine_cache(4, 128, 1024, 128 + 5, seed=0)
     q = mx.random.normal((1, 4, 2, 1024))
     c.attention_path = "fused"
     with _on_cpu(), threads.on_cpu_threads("metal"):
         assert affine.affine_qb_max(1024) == 3 and kvarn.kvarn_warps(512) == 2 and kvarn.kvarn_warps(256) == 4
-        assert [affine.affine_qb_max(d, kchan=True) for d in (128, 256, 512, 1024)] == [4, 4, 3, 1]
+        assert [affine.affine_qb_max(d, kchan=True) for d in (128, 256, 512, 1024)] == [4, 4, 3, 3]
         out = _attend(c, q, "causal")
         kivi, keys, values = _block_cache("kivi4", 512, 300, 1, seed=3)
         qk = mx.random.normal((1, 8, 1, 512))

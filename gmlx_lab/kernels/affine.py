@@ -38,14 +38,14 @@ AFFINE_GROUPS = 528
 def affine_qb_max(d: int, kchan: bool = False) -> int:
     """Query vectors per affine_decode threadgroup: QB_MAX, or on Metal, whose threadgroup has 32 KB of memory, as
     many as fit there. Each takes 4 D bytes for itself, at most D / 4 for its group sums, 528 for its softmax
-    weights and maxima, and 4 D for each row of `part`: the token lanes' outputs (128 / (D / 8) rows), or with
-    KIVI's K (`kchan`) at least 4 (each warp's folded queries). Three fit at head_dim 1024 (four take 35 KB),
-    one there with kchan."""
+    weights and maxima, and 4 D for each of the token lanes' output rows (128 / (D / 8)); with KIVI's K (`kchan`)
+    each also takes 512 for its folded queries, after 4 KB for the four warps' code words (at 8 bits, the widest).
+    Three fit at head_dim 1024 (four take 35 KB), with or without kchan."""
     if kernel_backend() != "metal":
         return QB_MAX
-    part_rows = max(128 // (d // 8), 4 if kchan else 1)
-    per_vector = 4 * d + d // 4 + 528 + 4 * part_rows * d
-    return max(1, min(QB_MAX, 32768 // per_vector))
+    lanes = 128 // (d // 8)
+    per_vector = 4 * d + d // 4 + 528 + 4 * lanes * d + (512 if kchan else 0)
+    return max(1, min(QB_MAX, (32768 - (4096 if kchan else 0)) // per_vector))
 
 
 class AffinePlan(NamedTuple):
