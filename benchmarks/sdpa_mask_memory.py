@@ -4,7 +4,7 @@ long cache, by mask: mlx-lm's "causal" string, the same mask as a boolean array,
     python benchmarks/sdpa_mask_memory.py
 
 Prints, per context and mask, the peak memory above the inputs (`mx.get_peak_memory`): where it is the size of
-the chunk's score matrix (32 heads x 2048 x T float16), the call built the scores rather than running fused.
+the chunk's score matrix (32 heads x 2048 x T float32), the call built the scores rather than running fused.
 """
 
 import mlx.core as mx

@@ -31,7 +31,7 @@ ROTATIONS = ("none", "hadamard", "signed")  # the codes' space, by affine_decode
 QB_MAX = 4  # query vectors (GQA group x query tokens) per affine_decode threadgroup
 # affine_decode's threadgroups a call: one wave of four a multiprocessor (its register count allows four) on a
 # 132-SM H100 or H200. Each thread waits on its own loads, so a call needs every warp slot it can get; more
-# groups than one wave only add splits to merge (docs/gpu-performance.md, "How affine_decode splits")
+# groups than one wave only add splits to merge (docs/gpu-performance.md, "Where issue 56's targets stand")
 AFFINE_GROUPS = 528
 
 
