@@ -519,3 +519,13 @@ def test_recommend_borrows_from_the_model_whose_policy_is_nearest() -> None:
     grows, windows = nearest_evidence(29 / 30, 8000), nearest_evidence(2 / 18, 1000)
     assert grows[0].model == "smollm2-135m" and windows[0].model == "gemma3-270m"
     assert windows[1] == 1024 and grows[1] in grows[0].contexts
+
+
+def test_every_run_of_a_speed_setting_names_its_own_commit() -> None:
+    """A setting read from several runs lists each run with the commit its file names, not the first run's."""
+    for setting in committed_speeds().files:
+        runs = setting.runs()
+        assert [r.file for r in runs] == list(setting.source.files)
+        for run in runs:
+            named = json.loads((ROOT / "benchmarks" / "results" / run.file).read_text()).get("commit", "unknown")
+            assert run.commit == str(named)[:7], run.file

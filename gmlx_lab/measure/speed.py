@@ -126,6 +126,10 @@ class SpeedFile:
     file: str  # which of the source's runs this is
     then: SpeedFile | None  # the source's next run, asked for a row this one lacks
 
+    def runs(self) -> tuple[SpeedFile, ...]:
+        """This run and the source's later ones, each with its own file, commit and device."""
+        return (self,) + (self.then.runs() if self.then is not None else ())
+
     def of(self, label: str) -> Speed:
         setting, file = self.source.setting, self.file
         row = self.rows.get(label) or self.rows.get(speed_key(label))
