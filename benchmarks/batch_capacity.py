@@ -16,11 +16,17 @@ not fit in `--resident-gb` together is skipped and listed.
 Capacity: at `--capacity-context`, each scheme alone (one at a time: caches of this size cannot sit side by side)
 is given the largest batch whose cache fits in `--budget-gb` (from its bytes per token measured in the grid), is
 filled, and decodes `--rounds` x `--per-round` steps; the row has the batch, the cache's bytes and tokens/s.
-Fill: the caches are not prefilled through the model (an 8B model's prefill of 16 x 32K tokens would take most of
-a call): every layer's cache receives random normal float16 K/V in chunks of `--chunk` tokens through its own
-`update_and_fetch`, so each scheme encodes and stores what it would from a prefill; every sequence of the batch
-holds the same values. Decode time does not depend on the values (no kernel branches on them). Decode feeds
-random token ids; the model is an mlx-lm `llama` with random weights (`model_decode.shaped_model`).
+Fill (`--fill update`, the default): the caches are not prefilled through the model (an 8B model's prefill of
+16 x 32K tokens would take most of a call): every layer's cache receives random normal float16 K/V in chunks of
+`--chunk` tokens through its own `update_and_fetch`, so each scheme encodes and stores what it would from a
+prefill; every sequence of the batch holds the same values. Decode time does not depend on the values (no kernel
+branches on them). `--fill prefill` runs random token ids through the model's layers instead (`model.model`: the
+output head's logits of a whole chunk are not a cache's cost), `--chunk` tokens a sequence at a time, so a
+chunk's attention runs as in a real prefill. Either way `fill_peak_memory` is the most the fill allocated above
+what was resident when it began (the weights and the caches filled before it): the cache plus the fill's
+scratch, which is what decides whether a prefill fits beside the others; `decode_scratch_memory` is the most a
+decode round allocated above what was resident at its start. Decode feeds random token ids; the model is an
+mlx-lm `llama` with random weights (`model_decode.shaped_model`).
 Schemes: `mlx_lm_fp16` (mlx-lm's `KVCache`, the baseline of every ratio), `mlx_lm_affine4`/`mlx_lm_affine8`
 (mlx-lm's `QuantizedKVCache`, group 64, the peer) and any gmlx_lab scheme spec; the capacity run sizes the schemes
 named in `--capacity-schemes` (CAPACITY_SCHEMES by default).
@@ -88,6 +94,20 @@ def fill(model: nn.Module, cache: list[Any], batch: int, context: int, chunk: in
     return time.perf_counter() - t0
 
 
+def prefill_fill(model: nn.Module, cache: list[Any], batch: int, context: int, chunk: int, seed: int) -> float:
+    """Run `context` random token ids a sequence through the model's layers, `chunk` at a time; seconds."""
+    mx.random.seed(seed)
+    t0 = time.perf_counter()
+    for start in range(0, context, chunk):
+        tokens = mx.random.randint(0, model.args.vocab_size, (batch, min(chunk, context - start)))
+        hidden = model.model(tokens, cache=cache)
+        mx.eval(hidden, [c.state for c in cache])
+    return time.perf_counter() - t0
+
+
+FILLS = {"update": fill, "prefill": prefill_fill}
+
+
 def step_times(model: nn.Module, cache: list[Any], batch: int, steps: int, seed: int) -> list[float]:
     """`steps` + 1 greedy decode steps pipelined as mlx-lm's generate_step; ms between consecutive tokens."""
     mx.random.seed(seed)
@@ -123,25 +143,34 @@ class Resident:
         self.cache, label = new_cache(model, spec)
         self.row: dict[str, Any] = {"scheme": spec, "label": label, "batch": batch, "context": context}
         self.intervals: list[float] = []
+        self.scratch = 0
+        free()
+        start = mx.get_active_memory()
+        mx.reset_peak_memory()
         try:
-            seconds = fill(model, self.cache, batch, context, args.chunk, args.seed)
-            self.row.update({"fill_s": round(seconds, 2),
-                             "cache_bytes_after_fill": cache_bytes(self.cache)})
+            seconds = FILLS[args.fill](model, self.cache, batch, context, args.chunk, args.seed)
+            self.row.update({"fill": args.fill, "fill_s": round(seconds, 2),
+                             "cache_bytes_after_fill": cache_bytes(self.cache),
+                             "fill_peak_memory": mx.get_peak_memory() - start})
         except Exception as err:  # noqa: BLE001  (a scheme that cannot run here is recorded, not hidden)
             self.row["error"] = f"fill: {type(err).__name__}: {err}"[:400]
 
     def decode_round(self, model: nn.Module, steps: int, seed: int) -> None:
         if "error" in self.row:
             return
+        start = mx.get_active_memory()
+        mx.reset_peak_memory()
         try:
             self.intervals += step_times(model, self.cache, self.row["batch"], steps, seed)
         except Exception as err:  # noqa: BLE001
             self.row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
+        self.scratch = max(self.scratch, mx.get_peak_memory() - start)
 
     def finish(self) -> dict[str, Any]:
         if "error" not in self.row and self.intervals:
             self.row.update(summary(self.intervals, self.row["batch"]))
             self.row["cache_bytes"] = cache_bytes(self.cache)
+            self.row["decode_scratch_memory"] = self.scratch
         return self.row
 
 
@@ -235,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resident-gb", type=float, default=100.0, help="cache bytes a grid point may hold")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-round", type=int, default=8, help="timed steps per scheme and round")
-    parser.add_argument("--chunk", type=int, default=4096, help="tokens per fill update")
+    parser.add_argument("--fill", choices=sorted(FILLS), default="update",
+                        help="how caches are filled: K/V straight into each layer's cache, or a prefill through the "
+                             "model's layers")
+    parser.add_argument("--chunk", type=int, default=4096, help="tokens a sequence per fill update or prefill chunk")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/batch_capacity-cpu.json")
     args = parser.parse_args(argv)

@@ -9,7 +9,9 @@ For each context, every scheme side by side, each with a fresh cache (all kept u
   1. prefill: `context` tokens through `model(...)` in chunks of `--prefill-step`, then `mx.eval` of the
      cache state; prefill_tokens_per_s = context / seconds; `cache_bytes` is the cache's resident bytes then
      (mlx-lm's `nbytes` for its own caches, ours `.nbytes`); `peak_memory` is `mx.get_peak_memory()` over
-     the prefill, the weights included and the other schemes' caches left out;
+     the prefill, the weights included and the other schemes' caches left out; `weights_memory` is what was
+     allocated before any cache (the weights), so `peak_memory - weights_memory` is the prefill's peak above
+     the weights: the cache plus the prefill's scratch;
   2. decode, in `--rounds` rounds: in each, every scheme in turn decodes its share of `--decode` tokens with
      `mlx_lm.generate_step` (greedy, async-eval pipelining) from where its last round stopped, so a slow
      spell of the machine falls on every scheme alike; the wall-clock interval between consecutive yielded
@@ -17,6 +19,8 @@ For each context, every scheme side by side, each with a fresh cache (all kept u
      median, the 10th and 90th percentiles and the count of its timed tokens; decode_tokens_per_s = 1000 / mean ms
      (with async-eval pipelining an interval can shrink after a long one, so the 10th percentile need not be a
      step's time: on the H200 mlx-lm's fell below its median by up to 60%; read the median);
+     `decode_scratch_memory` is the most any of its rounds allocated above what was resident when it began
+     (every cache and the weights): a decode step's transient memory;
   3. graph building: `--build-steps` more decode steps run one at a time, timing the Python call that builds
      the step's graph (`model(...)` plus the argmax) apart from its evaluation; `build_us_per_layer` spreads
      it over the layers; `encode_us_per_step` times `mx.async_eval`, where MLX hands the step's kernels to the
@@ -270,6 +274,7 @@ class Run:
         self.intervals: list[float] = []
         self.out: list[int] = []
         self.next = 0  # the greedy token the next round starts from
+        self.scratch = 0  # the most a decode round allocated above what was resident at its start
 
     @property
     def failed(self) -> bool:
@@ -299,12 +304,15 @@ class Run:
 
     def decode_round(self, model: nn.Module, n: int) -> None:
         """n more greedy tokens from where the last round stopped; their intervals join the row's."""
+        start = mx.get_active_memory()
+        mx.reset_peak_memory()
         with self.probed():
             try:
                 intervals, out = decode(model, self.cache, self.next, n)
             except Exception as err:  # noqa: BLE001
                 self.row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
                 return
+        self.scratch = max(self.scratch, mx.get_peak_memory() - start)
         self.intervals += intervals
         self.out += out
         self.next = out[-1]
@@ -327,6 +335,7 @@ class Run:
             "build_us_per_step": round(build, 1), "build_us_per_layer": round(build / len(model.layers), 2),
             "encode_us_per_step": round(statistics.median(encodes), 1),
             "eval_us_per_step": round(statistics.median(evals), 1), "generated": self.out[:8],
+            "decode_scratch_memory": self.scratch,
         })
         if getattr(self.cache, "policy", None) is not None:
             self.row["policy"] = str(self.cache.policy)
@@ -342,6 +351,7 @@ def run_context(model: nn.Module, specs: list[str], tokens: mx.array, args: argp
     runs = [Run(model, spec, args) for spec in specs]
     base = mx.get_active_memory()
     for run in runs:
+        run.row["weights_memory"] = base
         run.prefill(model, tokens, args, mx.get_active_memory() - base)
     for _ in range(rounds):
         for run in runs:

@@ -70,6 +70,28 @@ def test_a_model_reading_the_returned_kv_itself_gets_what_the_cache_attention_gi
     assert max(e for _, e in errors) < tol, errors
 
 
+def test_a_prompt_chunks_attention_is_evaluated_layer_by_layer_and_a_decode_step_stays_lazy(model, tokens,
+                                                                                           monkeypatch):
+    """Through the seam, a prompt chunk's attention output is evaluated before the next layer is built (on a GPU,
+    queued kernels hold every array they read, so a lazy chunk would hold every layer's decoded K/V at once);
+    a decode step's is left to the model's own evaluation, so steps still pipeline."""
+    from gmlx_lab import mlx_lm_hooks
+
+    heads, dim = model.layers[0].self_attn.n_heads, model.layers[0].self_attn.head_dim
+    outputs = []  # the attention outputs (B, heads, L, dim) evaluated on their own (caches evaluate other arrays)
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: outputs.extend(x.shape for x in a if isinstance(x, mx.array) and
+                                                              x.shape[1::2] == (heads, dim)) or real_eval(*a))
+    cache = gmlx_lab.make_cache(model, "kivi", quiet=True, bits=4)
+    attending = [c for c in cache if hasattr(c, "attend")]
+    assert attending
+    run_chunks(model, cache, tokens, [300])
+    assert outputs == [(1, heads, 300, dim)] * len(attending)
+    outputs.clear()
+    run_chunks(model, cache, tokens[:, 300:], [mlx_lm_hooks.PROMPT_QUERIES, 1])
+    assert outputs == []
+
+
 @pytest.mark.parametrize("scheme, options", SCHEMES, ids=example_id)
 def test_generate_step_and_save_load_roundtrip(model, tokens, scheme, options, tmp_path):
     cache = gmlx_lab.make_cache(model, scheme, quiet=True, **options)

@@ -16,6 +16,10 @@ import mlx.core as mx
 # scores) would take more is decoded and attended a slice at a time, each slice's scores and decoded K/V within this
 # size, so a prompt chunk's transient memory stays near it whatever the context.
 SCRATCH_BYTES = 512 * 2**20
+# On a GPU, SDPA holds no scores, and a prompt chunk's attention is evaluated before the next layer is built
+# (mlx_lm_hooks.settled), so a chunk holds one layer's decoded K/V at a time: allowed up to this size (8 sequences
+# of 32K tokens of Llama-3-8B's K/V are 1 GiB a layer), where slices would compute every score outside SDPA.
+GPU_DECODED_BYTES = 2 * 2**30
 
 
 def apply_mask(scores: mx.array, mask: Any) -> mx.array:
@@ -95,14 +99,15 @@ class KeySlice:
 
 
 def fits_scratch(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
-    """Whether SDPA over the whole fetched K/V stays within SCRATCH_BYTES: the decoded K/V it reads, plus, on the
-    CPU (whose SDPA computes every score), the float32 scores of every query over every key (up to six copies)."""
+    """Whether SDPA over the whole fetched K/V fits its scratch: on a GPU, the decoded K/V within
+    GPU_DECODED_BYTES; on the CPU (whose SDPA computes every score), the decoded K/V plus the float32 scores of
+    every query over every key (up to six copies) within SCRATCH_BYTES."""
     b, hq, length, _ = queries.shape
     _, kv_heads, total, _ = keys.shape
     need = keys.dtype.size * b * kv_heads * total * (keys.shape[-1] + values.shape[-1])
-    if mx.default_device().type == mx.DeviceType.cpu:
-        need += 4 * 6 * b * hq * length * total
-    return need <= SCRATCH_BYTES
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return need <= GPU_DECODED_BYTES
+    return need + 4 * 6 * b * hq * length * total <= SCRATCH_BYTES
 
 
 def slice_tokens(queries: mx.array, kv_heads: int, head_dim: int, step: int = 1) -> int:
