@@ -102,3 +102,25 @@ def test_sdpa_over_the_whole_fetch_is_kept_while_it_fits_the_scratch(monkeypatch
     assert not fits_scratch(chunk, keys, values)
     monkeypatch.setattr(attention, "SCRATCH_BYTES", 2**20 - 1)  # not even the decoded K/V
     assert not fits_scratch(one, keys, values)
+
+
+def test_on_metal_an_affine_prompt_chunk_attends_over_decoded_slices_not_quantized_matmul_scores(monkeypatch):
+    """quantized_matmul's scores of a prompt chunk hold every query over every key (16 GiB a layer for 2048
+    queries over 128K keys); on Metal a chunk attends over the decoded codes (a slice at a time past the scratch),
+    while a decode step keeps mlx-lm's quantized_matmul path there."""
+    from gmlx_lab.cache.affine import cache as affine_module
+
+    monkeypatch.setattr(affine_module, "active_backend", lambda: "metal")
+    products = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: products.append(a[0].shape) or real(*a, **k))
+    cache = affine_module.AffineCache(bits=4, group_size=64)
+    mx.random.seed(1)
+    keys, values = (mx.random.normal((1, 2, 256, 64)) for _ in range(2))
+    k, v = cache.update_and_fetch(keys, values)
+    chunk = mx.random.normal((1, 4, 8, 64))
+    out = cache.attend(chunk, k, v, scale=0.125, mask=None)
+    assert products == [] and out.shape == (1, 4, 8, 64)
+    k, v = cache.update_and_fetch(keys[:, :, :1], values[:, :, :1])
+    cache.attend(chunk[:, :, :1], k, v, scale=0.125, mask=None)
+    assert len(products) == 2  # the decode step's scores and output

@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...kernels import AffineCall, SplitCounter, active_backend, affine_attend, affine_supported
+from ...kernels import MAX_QUERY_TOKENS, AffineCall, SplitCounter, active_backend, affine_attend, affine_supported
 from ...registry import Option, register_scheme
 from .. import window
 from ..attention import apply_mask
@@ -195,9 +195,11 @@ class AffineCache(KernelRoute, BlockCache):
         shapes, one query token included ("No implementation for problem shape: 1x32769x128x128",
         benchmarks/results/model_decode-paths-w16-h100-80gb-hbm3.json); on the CPU past 1 token, where
         dequantizing and SDPA were 1.9x faster at 4 query tokens and 8x at 512 (one layer, 4096 tokens, head_dim
-        128, this lab's CPU)."""
+        128, this lab's CPU); on Metal for a prompt chunk, whose quantized_matmul scores of every query over every
+        key would take 16 GiB a layer for 2048 queries over 128K keys, where the decoded codes go a slice at a time
+        past the scratch (`sliced`)."""
         backend = active_backend()
-        return backend == "cuda" or (backend == "cpu" and queries.shape[2] > 1)
+        return backend == "cuda" or queries.shape[2] > (1 if backend == "cpu" else MAX_QUERY_TOKENS)
 
     def _quantized_attention(self, q: mx.array, qk: list[mx.array], qv: list[mx.array], scale: float,
                              mask: Any) -> mx.array:
