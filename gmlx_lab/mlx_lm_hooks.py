@@ -46,15 +46,24 @@ def scaled_dot_product_attention(
 
 
 def settled(out: mx.array, queries: mx.array) -> mx.array:
-    """A prompt chunk's attention output (more queries than the fused decode kernels take), evaluated now.
+    """A prompt chunk's attention output (more queries than the fused decode kernels take), set computing now, once
+    the previous layer's has been computed.
 
     Such a chunk attends over its layer's stored K/V decoded (or a slice at a time). MLX's GPU backends keep every
     array a queued kernel reads until that kernel has run, and the host queues a chunk's layers far faster than
-    the GPU runs them, so unevaluated, every layer's decoded K/V and scratch would be held at once: the fp16-sized
-    copy a quantized cache exists to avoid. Evaluated layer by layer, one layer's is. Decode steps stay lazy."""
+    the GPU runs them, so left lazy, every layer's decoded K/V and scratch would be held at once: the fp16-sized
+    copy a quantized cache exists to avoid. Here at most two layers' are: the GPU runs one layer while the host
+    builds the next. Decode steps stay lazy. `_previous` keeps the last output until the next chunk's arrives."""
+    global _previous
     if queries.shape[2] > PROMPT_QUERIES:
-        mx.eval(out)
+        mx.async_eval(out)
+        if _previous is not None:
+            mx.eval(_previous)  # waits for the previous layer's kernels, so their inputs are freed
+        _previous = out
     return out
+
+
+_previous: mx.array | None = None
 
 
 def install() -> None:

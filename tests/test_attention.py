@@ -66,7 +66,17 @@ def test_a_slice_holds_whole_blocks_within_the_scratch(monkeypatch):
     assert slice_tokens(queries, 2, 128, step=128) == 128  # never less than one block
 
 
-def test_sliced_attention_holds_one_slice_of_scores_not_the_whole(monkeypatch):
+@pytest.fixture
+def on_cpu():
+    """The CPU as default device for one test, on any machine: on a GPU, queued kernels hold every array they read
+    until they have run, so memory peaks and the backend's routes differ there."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
+def test_sliced_attention_holds_one_slice_of_scores_not_the_whole(monkeypatch, on_cpu):
     """A 1024-token prompt chunk over 8192 keys with 32 MiB of scratch: peak memory stays near the scratch, far below
     one copy of the whole chunk's float32 scores (128 MiB)."""
     monkeypatch.setattr(attention, "SCRATCH_BYTES", 32 * 2**20)
@@ -97,6 +107,7 @@ def test_sdpa_over_the_whole_fetch_is_kept_while_it_fits_the_scratch(monkeypatch
     """One query over 1024 keys fits; 512 queries over them do not on the CPU, where SDPA computes every score."""
     keys = values = mx.zeros((1, 2, 1024, 64))
     one, chunk = mx.zeros((1, 8, 1, 64)), mx.zeros((1, 8, 512, 64))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     monkeypatch.setattr(attention, "SCRATCH_BYTES", 2**20 + 4 * 6 * 8 * 1024)  # K/V and one query's scores
     assert fits_scratch(one, keys, values)
     assert not fits_scratch(chunk, keys, values)
@@ -104,7 +115,20 @@ def test_sdpa_over_the_whole_fetch_is_kept_while_it_fits_the_scratch(monkeypatch
     assert not fits_scratch(one, keys, values)
 
 
-def test_on_metal_an_affine_prompt_chunk_attends_over_decoded_slices_not_quantized_matmul_scores(monkeypatch):
+def test_on_a_gpu_a_chunk_attends_over_one_layers_decoded_kv_up_to_its_bound(monkeypatch):
+    """A GPU's SDPA holds no scores, so a prompt chunk fits while the decoded K/V do (GPU_DECODED_BYTES, one layer
+    at a time: mlx_lm_hooks.settled), however many queries it has."""
+    keys = values = mx.zeros((1, 2, 1024, 64))
+    chunk = mx.zeros((1, 8, 512, 64))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(attention, "SCRATCH_BYTES", 1)  # the CPU's bound plays no part
+    monkeypatch.setattr(attention, "GPU_DECODED_BYTES", 2**20)  # K and V: 2 x 1024 x 2 x 64 float32 values
+    assert fits_scratch(chunk, keys, values)
+    monkeypatch.setattr(attention, "GPU_DECODED_BYTES", 2**20 - 1)
+    assert not fits_scratch(chunk, keys, values)
+
+
+def test_on_metal_an_affine_prompt_chunk_attends_over_decoded_slices_not_quantized_matmul_scores(monkeypatch, on_cpu):
     """quantized_matmul's scores of a prompt chunk hold every query over every key (16 GiB a layer for 2048
     queries over 128K keys); on Metal a chunk attends over the decoded codes (a slice at a time past the scratch),
     while a decode step keeps mlx-lm's quantized_matmul path there."""
