@@ -9,7 +9,8 @@ Each setting is one file or a few (`SOURCES`), every ratio measured beside the b
 from the first of a setting's files that has it; rows of two files are never compared):
 - GPU, batch 1: `benchmarks/model_decode.py --shape llama3-8b --contexts 131072` (Llama-3-8B shapes, random fp16
   weights; at 128K `KVCache` steps at one speed, where at 32K its steps swing between two);
-- GPU, batch 8: `benchmarks/batch_capacity.py --grid 8x32768` (the caches resident together, decoding in turns);
+- GPU, batch 8: `benchmarks/batch_capacity.py --grid 8x32768 --fill prefill` (a scheme and `KVCache` prefilled
+  through the model and decoding in turns, one scheme a run: an 80 GB card holds the pair, not all of them);
 - CPU, batch 1: `benchmarks/model_decode.py` on the bundled model (float32 on this project's CPU).
 A verdict row finds its speed by its scheme and widths (`speed_key`): its fp16 tail and the head-dim extension
 are left out, since the tail is a small part of a long context's step, and the row read is named
@@ -49,9 +50,11 @@ class Source:
 # The current code's runs: a newer run of the same setting replaces its file here (and the old file goes to
 # docs/history with the text that cited it).
 SOURCES: tuple[Source, ...] = (
-    Source("GPU, batch 1", "model_decode-128k-field-618e265-h100-80gb-hbm3.json", 131072,
-           more=("model_decode-128k-rest-b502efd-h100-80gb-hbm3.json",)),
-    Source("GPU, batch 8", "batch_capacity-w16-8x32k-h200.json", 32768),
+    Source("GPU, batch 1", "model_decode-128k-field-450a0ef-h100-80gb-hbm3.json", 131072,
+           more=("model_decode-128k-rest-450a0ef-h100-80gb-hbm3.json",)),
+    Source("GPU, batch 8", "batch_capacity-w16-8x32k-prefill-kvarn4-450a0ef-h100-80gb-hbm3.json", 32768,
+           more=tuple(f"batch_capacity-w16-8x32k-prefill-{s}-450a0ef-h100-80gb-hbm3.json"
+                      for s in ("kivi4", "turboquant4", "affine4"))),
     Source("CPU, batch 1", "model_decode-cpu.json", 4096),
 )
 
