@@ -23,7 +23,7 @@ import mlx_lm.models.cache as mlx_cache
 __all__ = ["install", "register_cache_class", "scaled_dot_product_attention"]
 
 MLX_LM_ATTENTION = mlx_base.scaled_dot_product_attention  # mlx-lm's own, before install()
-PROMPT_QUERIES = 4  # more queries than this make a prompt chunk: the kernels' MAX_QUERY_TOKENS, which install() reads
+PROMPT_QUERIES: int  # a chunk of more queries is a prompt chunk: cache.attention.MAX_QUERY_TOKENS, set by install()
 
 
 def scaled_dot_product_attention(
@@ -69,7 +69,7 @@ _previous: mx.array | None = None
 def install() -> None:
     """Point mlx-lm's base module, and the model modules already imported, at our attention entry point."""
     global PROMPT_QUERIES
-    from .kernels import MAX_QUERY_TOKENS  # here: the kernel layer imports the caches, whose registry imports us
+    from .cache.attention import MAX_QUERY_TOKENS  # here, not above: the caches' registry imports this module
 
     PROMPT_QUERIES = MAX_QUERY_TOKENS
     mlx_base.scaled_dot_product_attention = scaled_dot_product_attention
