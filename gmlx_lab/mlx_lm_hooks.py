@@ -46,24 +46,16 @@ def scaled_dot_product_attention(
 
 
 def settled(out: mx.array, queries: mx.array) -> mx.array:
-    """A prompt chunk's attention output (more queries than the fused decode kernels take), set computing now, once
-    the previous layer's has been computed.
+    """A prompt chunk's attention output (more queries than the fused decode kernels take), evaluated now.
 
     Such a chunk attends over its layer's stored K/V decoded (or a slice at a time). MLX's GPU backends keep every
     array a queued kernel reads until that kernel has run, and the host queues a chunk's layers far faster than
     the GPU runs them, so left lazy, every layer's decoded K/V and scratch would be held at once: the fp16-sized
-    copy a quantized cache exists to avoid. Here at most two layers' are: the GPU runs one layer while the host
-    builds the next. Decode steps stay lazy. `_previous` keeps the last output until the next chunk's arrives."""
-    global _previous
+    copy a quantized cache exists to avoid. Evaluated layer by layer, one layer's is, at the cost of the GPU
+    waiting while the host builds the next layer (docs/gpu-performance.md measures both). Decode steps stay lazy."""
     if queries.shape[2] > PROMPT_QUERIES:
-        mx.async_eval(out)
-        if _previous is not None:
-            mx.eval(_previous)  # waits for the previous layer's kernels, so their inputs are freed
-        _previous = out
+        mx.eval(out)
     return out
-
-
-_previous: mx.array | None = None
 
 
 def install() -> None:
@@ -94,4 +86,3 @@ def register_cache_class(cls: type, name: str | None = None) -> None:
 def same_class(a: type, b: type) -> bool:
     """The same class definition (module and name), e.g. a notebook cell run again."""
     return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
-
