@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from . import mlx_lm_hooks
 from .cache import AffineCache, AffineRotCache, BlockCache, BlockScheme, FP16Cache, KvarnCache
 from .cache.saved import SavedCacheError, load_prompt_cache
+from .kernels import MAX_QUERY_TOKENS
 from .measure import experiments, memory, metrics, tradeoff  # noqa: F401  (gmlx_lab.tradeoff.versus, ...)
 from .measure.audit import audit
 from .measure.fidelity import fidelity
@@ -20,7 +21,8 @@ from .policy import Policy, PromptCache, make_cache, policy
 from .registry import SCHEMES, Option, Scheme, get_scheme, register_scheme
 from .specs import parse_scheme_spec
 
-mlx_lm_hooks.install()  # mlx-lm's attention routes to a cache's own `attend` (the one change gmlx_lab makes there)
+# mlx-lm's attention routes to a cache's own `attend` (the one change gmlx_lab makes there)
+mlx_lm_hooks.install(prompt_queries=MAX_QUERY_TOKENS)
 
 __all__ = [
     "SCHEMES", "AffineCache", "AffineRotCache", "BlockCache", "BlockScheme", "FP16Cache", "KvarnCache", "Option",

@@ -23,7 +23,7 @@ import mlx_lm.models.cache as mlx_cache
 __all__ = ["install", "register_cache_class", "scaled_dot_product_attention"]
 
 MLX_LM_ATTENTION = mlx_base.scaled_dot_product_attention  # mlx-lm's own, before install()
-PROMPT_QUERIES: int  # a chunk of more queries is a prompt chunk: cache.attention.MAX_QUERY_TOKENS, set by install()
+PROMPT_QUERIES: int  # a call with more queries than this is a prompt chunk: set by install()
 
 
 def scaled_dot_product_attention(
@@ -58,12 +58,12 @@ def settled(out: mx.array, queries: mx.array) -> mx.array:
     return out
 
 
-def install() -> None:
-    """Point mlx-lm's base module, and the model modules already imported, at our attention entry point."""
+def install(prompt_queries: int) -> None:
+    """Point mlx-lm's base module, and the model modules already imported, at our attention entry point;
+    `prompt_queries`: the most queries a decode step has (the fused decode kernels' MAX_QUERY_TOKENS), above which
+    a call is a prompt chunk. Passed in, so this module, which the caches' registry imports, imports no kernels."""
     global PROMPT_QUERIES
-    from .cache.attention import MAX_QUERY_TOKENS  # here, not above: the caches' registry imports this module
-
-    PROMPT_QUERIES = MAX_QUERY_TOKENS
+    PROMPT_QUERIES = prompt_queries
     mlx_base.scaled_dot_product_attention = scaled_dot_product_attention
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is \

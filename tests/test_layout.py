@@ -139,7 +139,7 @@ def test_mlx_lm_is_changed_from_one_module() -> None:
     """gmlx_lab/mlx_lm_hooks.py is the one module that changes mlx-lm (installed from gmlx_lab/__init__)."""
     patching = {module_name(p): found for p in PACKAGE.rglob("*.py") if (found := mlx_lm_patches(p))}
     assert set(patching) == {"gmlx_lab.mlx_lm_hooks"}, patching
-    assert "mlx_lm_hooks.install()" in (PACKAGE / "__init__.py").read_text()
+    assert "mlx_lm_hooks.install(" in (PACKAGE / "__init__.py").read_text()
 
 
 def test_the_published_results_ship_with_the_package() -> None:

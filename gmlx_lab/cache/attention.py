@@ -16,9 +16,6 @@ import mlx.core as mx
 # scores) would take more is decoded and attended a slice at a time, each slice's scores and decoded K/V within this
 # size, so a prompt chunk's transient memory stays near it whatever the context.
 SCRATCH_BYTES = 512 * 2**20
-# The most query tokens a decode step attends with: what the fused decode kernels take. A chunk of more is a prompt
-# chunk, which the caches attend to over their decoded K/V (and the seam evaluates layer by layer).
-MAX_QUERY_TOKENS = 4
 # On a GPU, SDPA holds no scores, and a prompt chunk's attention is evaluated before the next layer is built
 # (mlx_lm_hooks.settled), so a chunk holds one layer's decoded K/V at a time: allowed up to this size (8 sequences
 # of 32K tokens of Llama-3-8B's K/V are 1 GiB a layer), where slices would compute every score outside SDPA.

@@ -16,7 +16,6 @@ reads `config`, the settings) <- `splits` (what the split-K decode kernels share
 scheme's launch code) <- `selfcheck`.
 """
 
-from ..cache.attention import MAX_QUERY_TOKENS
 from . import precompiled, selfcheck  # noqa: E402  (after the modules it checks)
 from .affine import AffineCall, affine_attend, affine_supported
 from .blocks import BlockCall, BlockLayout, Fp16Tokens, block_attend, value_tables
@@ -24,7 +23,7 @@ from .build import active_backend
 from .config import KernelConfig, configured, set_config
 from .kvarn import KvarnCall, kvarn_attend, kvarn_supported, kvarn_tokens, seal_records, unpack_records
 from .sources import assemble
-from .splits import SplitCounter, merge_splits
+from .splits import MAX_QUERY_TOKENS, SplitCounter, merge_splits
 
 KERNELS = ("kvarn_decode", "affine_decode", "split_merge", "kvarn_seal", "kvarn_unpack")
 

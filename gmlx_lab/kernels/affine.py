@@ -9,10 +9,10 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..cache.attention import MAX_QUERY_TOKENS
 from .build import graph_function, kernel_backend, launch
 from .splits import (
     DTYPE_IDS,
+    MAX_QUERY_TOKENS,
     NEG_INF,
     SplitCounter,
     chunks,

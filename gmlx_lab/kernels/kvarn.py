@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from ..cache.attention import MAX_QUERY_TOKENS
 from ..cache.kvarn.records import (
     AXIS_DTYPE,
     KVARN_HEAD_DIMS,
@@ -28,6 +27,7 @@ from .build import graph_function, kernel_backend, launch
 from .sources import CUDA_DEFINES
 from .splits import (
     DTYPE_IDS,
+    MAX_QUERY_TOKENS,
     NEG_INF,
     SplitCounter,
     flat,

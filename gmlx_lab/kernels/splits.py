@@ -16,6 +16,7 @@ from . import config
 from .build import kernel_backend, launch
 
 TARGET_GROUPS = 2112  # about 16 threadgroups of 128 threads per multiprocessor of a 132-SM H200
+MAX_QUERY_TOKENS = 4
 NEG_INF = float("-inf")
 DTYPE_IDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # names the compiled variant per dtype
 
