@@ -50,6 +50,7 @@ from fidelity_sweep import machine
 from model_decode import (
     MLX_LM_SCHEMES,
     SHAPES,
+    PeakAbove,
     cache_bytes,
     device_name,
     git_commit,
@@ -145,26 +146,23 @@ class Resident:
         self.intervals: list[float] = []
         self.scratch = 0
         free()
-        start = mx.get_active_memory()
-        mx.reset_peak_memory()
         try:
-            seconds = FILLS[args.fill](model, self.cache, batch, context, args.chunk, args.seed)
+            with PeakAbove() as peak:
+                seconds = FILLS[args.fill](model, self.cache, batch, context, args.chunk, args.seed)
             self.row.update({"fill": args.fill, "fill_s": round(seconds, 2),
-                             "cache_bytes_after_fill": cache_bytes(self.cache),
-                             "fill_peak_memory": mx.get_peak_memory() - start})
+                             "cache_bytes_after_fill": cache_bytes(self.cache), "fill_peak_memory": peak.bytes})
         except Exception as err:  # noqa: BLE001  (a scheme that cannot run here is recorded, not hidden)
             self.row["error"] = f"fill: {type(err).__name__}: {err}"[:400]
 
     def decode_round(self, model: nn.Module, steps: int, seed: int) -> None:
         if "error" in self.row:
             return
-        start = mx.get_active_memory()
-        mx.reset_peak_memory()
-        try:
-            self.intervals += step_times(model, self.cache, self.row["batch"], steps, seed)
-        except Exception as err:  # noqa: BLE001
-            self.row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
-        self.scratch = max(self.scratch, mx.get_peak_memory() - start)
+        with PeakAbove() as peak:
+            try:
+                self.intervals += step_times(model, self.cache, self.row["batch"], steps, seed)
+            except Exception as err:  # noqa: BLE001
+                self.row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
+        self.scratch = max(self.scratch, peak.bytes)
 
     def finish(self) -> dict[str, Any]:
         if "error" not in self.row and self.intervals:

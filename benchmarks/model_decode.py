@@ -197,6 +197,19 @@ def parse_probes(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+class PeakAbove:
+    """`with PeakAbove() as peak: ...`, then `peak.bytes`: the most MLX allocated inside the block above what was
+    allocated when it began (`mx.get_peak_memory`, reset on entry)."""
+
+    def __enter__(self) -> PeakAbove:
+        self.start = mx.get_active_memory()
+        mx.reset_peak_memory()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bytes = mx.get_peak_memory() - self.start
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile of values, interpolated between the two nearest ranks (numpy's default)."""
     xs = sorted(values)
@@ -304,15 +317,13 @@ class Run:
 
     def decode_round(self, model: nn.Module, n: int) -> None:
         """n more greedy tokens from where the last round stopped; their intervals join the row's."""
-        start = mx.get_active_memory()
-        mx.reset_peak_memory()
-        with self.probed():
+        with self.probed(), PeakAbove() as peak:
             try:
                 intervals, out = decode(model, self.cache, self.next, n)
             except Exception as err:  # noqa: BLE001
                 self.row["error"] = f"decode: {type(err).__name__}: {err}"[:400]
                 return
-        self.scratch = max(self.scratch, mx.get_peak_memory() - start)
+        self.scratch = max(self.scratch, peak.bytes)
         self.intervals += intervals
         self.out += out
         self.next = out[-1]

@@ -103,11 +103,10 @@ def test_sliced_attention_holds_one_slice_of_scores_not_the_whole(monkeypatch, o
     assert peak < 48 * 2**20, f"peak {peak / 2**20:.0f} MiB above the start"
 
 
-def test_sdpa_over_the_whole_fetch_is_kept_while_it_fits_the_scratch(monkeypatch):
+def test_sdpa_over_the_whole_fetch_is_kept_while_it_fits_the_scratch(monkeypatch, on_cpu):
     """One query over 1024 keys fits; 512 queries over them do not on the CPU, where SDPA computes every score."""
     keys = values = mx.zeros((1, 2, 1024, 64))
     one, chunk = mx.zeros((1, 8, 1, 64)), mx.zeros((1, 8, 512, 64))
-    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     monkeypatch.setattr(attention, "SCRATCH_BYTES", 2**20 + 4 * 6 * 8 * 1024)  # K/V and one query's scores
     assert fits_scratch(one, keys, values)
     assert not fits_scratch(chunk, keys, values)
