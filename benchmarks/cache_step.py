@@ -30,7 +30,6 @@ import mlx_lm.models.base as mlx_base
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from model_decode import MLX_LM_SCHEMES, device_name, git_commit
 
-from gmlx_lab import mlx_lm_hooks
 from gmlx_lab.kernels import active_backend, precompiled
 from gmlx_lab.registry import get_scheme
 from gmlx_lab.specs import parse_scheme_spec
@@ -60,7 +59,7 @@ def arrays(tree: Any) -> list[mx.array]:
 def steps(layer_caches: list[Any], q: mx.array, k: mx.array, n: int) -> tuple[list[float], list[float]]:
     """n decode steps over all layers: µs to build each step's graphs, µs to encode them (mx.async_eval)."""
     builds, encodes = [], []
-    attend = mlx_base.scaled_dot_product_attention
+    attend = mlx_base.scaled_dot_product_attention  # routed to a cache's `attend`: importing gmlx_lab did that
     for _ in range(n):
         t0 = time.perf_counter()
         outs = []
@@ -122,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/cache_step.json")
     args = parser.parse_args(argv)
-    mlx_lm_hooks.install()  # mlx-lm's attention entry point routes to a gmlx_lab cache's `attend`, as in a model
     if args.context < CHUNK or args.context % CHUNK:
         parser.error(f"--context {args.context}: a multiple of the {CHUNK}-token prefill chunk")
     rows = []

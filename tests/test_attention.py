@@ -147,3 +147,39 @@ def test_on_metal_an_affine_prompt_chunk_attends_over_decoded_slices_not_quantiz
     k, v = cache.update_and_fetch(keys[:, :, :1], values[:, :, :1])
     cache.attend(chunk[:, :, :1], k, v, scale=0.125, mask=None)
     assert len(products) == 2  # the decode step's scores and output
+
+
+@pytest.mark.parametrize("spec", ["turboquant4", "kivi4", "mxfp4"])
+def test_a_prompt_chunk_decodes_the_cache_a_slice_at_a_time(monkeypatch, on_cpu, spec):
+    """Where SDPA takes the whole decoded K/V (a GPU's rule: they fit), a prompt chunk reads them gathered a slice
+    at a time: the same output as SDPA over the fetch, at a peak well below the fetch's decode, whose float32
+    intermediates (codes unpacked, codebook values, rotations) would all be held at once."""
+    from gmlx_lab.cache import block
+    from gmlx_lab.registry import get_scheme
+    from gmlx_lab.specs import parse_scheme_spec
+
+    monkeypatch.setattr(block, "fits_scratch", lambda *_: True)
+    name, options = parse_scheme_spec(spec)
+    cache = get_scheme(name).make_cache(options)
+    for seed in range(2):  # 8192 tokens of 8 KV heads of 128 (stored fp16, read float32)
+        cache.update_and_fetch(*(mx.random.normal((1, 8, 4096, 128), key=mx.random.key(seed + i)) for i in (0, 10)))
+        mx.eval(cache.state)
+    q = mx.random.normal((1, 16, 64, 128), key=mx.random.key(7))
+    cache.update_and_fetch(*(mx.random.normal((1, 8, 64, 128), key=mx.random.key(s)) for s in (8, 9)))
+    mx.eval(q, cache.state)
+    monkeypatch.setattr(attention, "SCRATCH_BYTES", 4 * 2**20)  # several slices
+
+    def peak(attend) -> tuple[mx.array, int]:  # over a fresh lazy fetch, as the seam hands one over
+        keys, values = cache.fetch(mx.float32)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        start = mx.get_active_memory()
+        out = attend(q, keys, values, scale=0.088, mask="causal")
+        mx.eval(out)
+        return out, mx.get_peak_memory() - start
+
+    out, sliced_peak = peak(cache.attend)
+    ref, whole_peak = peak(mx.fast.scaled_dot_product_attention)  # the fetch decoded in one graph
+    assert float(mx.abs(out - ref).max()) < 1e-4
+    gathered = 2 * 4 * 8 * 8256 * 128  # the decoded K/V themselves, held either way; what the decode holds beside:
+    assert sliced_peak - gathered < 0.4 * (whole_peak - gathered), (sliced_peak / 2**20, whole_peak / 2**20)

@@ -120,6 +120,32 @@ def slice_tokens(queries: mx.array, kv_heads: int, head_dim: int, step: int = 1)
     return max(step, SCRATCH_BYTES // per_key // step * step)
 
 
+def decode_tokens(batch: int, kv_heads: int, dims: int, step: int = 1) -> int:
+    """How many keys one slice may decode within SCRATCH_BYTES, `dims` the K and V head dims together: a decode
+    holds a few float32 copies of its slice at once (codes unpacked, codebook values, a rotation: up to six,
+    measured with mx.get_peak_memory). A multiple of `step` (the cache's block), at least one step."""
+    per_key = 4 * 6 * batch * kv_heads * dims
+    return max(step, SCRATCH_BYTES // per_key // step * step)
+
+
+def gathered(slices: list[KeySlice]) -> tuple[mx.array, mx.array]:
+    """Every slice's K and V in one array each, written in place a slice at a time, each slice decoded and evaluated
+    before the next is read: a decode's intermediates exist for one slice at a time. Left to one graph, a backend
+    that holds every array a queued kernel reads until the kernel has run (MLX's, on the GPU and the CPU) holds
+    the whole cache's intermediates at once, several float32 copies of it."""
+    total = slices[-1].stop
+    keys = values = None
+    for piece in slices:
+        k, v = piece.load([])
+        if keys is None:
+            keys = mx.zeros((*k.shape[:2], total, k.shape[-1]), k.dtype)
+            values = mx.zeros((*v.shape[:2], total, v.shape[-1]), v.dtype)
+        keys[:, :, piece.start:piece.stop] = k
+        values[:, :, piece.start:piece.stop] = v
+        mx.eval(keys, values)
+    return keys, values
+
+
 def slice_mask(mask: Any, start: int, stop: int, queries: int, total: int) -> Any:
     """The columns [start, stop) of an mlx-lm mask over `total` keys for `queries` queries (None, "causal" aligned
     to the last key as mlx's SDPA aligns it, or an array)."""

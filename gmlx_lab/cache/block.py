@@ -60,9 +60,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..kernels.splits import MAX_QUERY_TOKENS
 from ..registry import Option, Scheme, resolve_options
 from . import saved
-from .attention import KeySlice, fits_scratch, slice_tokens, sliced_attention
+from .attention import KeySlice, decode_tokens, fits_scratch, gathered, slice_tokens, sliced_attention
 from .base import GmlxCache
 from .buffers import KV, STORE_DTYPE, GrowingBuffer, array_bytes, fill_sink, keep_sink
 from .regions import block_regions, due_tokens
@@ -456,10 +457,15 @@ class BlockCache(BlockWindow, BlockRegions, GmlxCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """The reference attention: softmax over the fetched K/V while they fit one slice of scratch, else a slice
-        at a time (`sliced`). A scheme may attend from its codes instead."""
+        at a time (`sliced`). A prompt chunk, evaluated now (mlx_lm_hooks.settled), reads the K/V decoded a slice
+        at a time (`gathered`) rather than the lazy fetch, whose decode would hold every slice's intermediates at
+        once. A scheme may attend from its codes instead."""
         out = self.sliced(queries, keys, values, scale, mask)
         if out is not None:
             return out
+        if queries.shape[2] > MAX_QUERY_TOKENS and self.n_blocks:
+            tokens = decode_tokens(keys.shape[0], keys.shape[1], keys.shape[-1] + values.shape[-1], self.block_tokens)
+            keys, values = gathered(self.key_slices(keys.dtype, tokens))
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     # -- contract ---------------------------------------------------------------------------------------------------

@@ -104,6 +104,11 @@ def _upper_inverse(p: float) -> float:
 def pack_bits(codes: mx.array, bits: int) -> mx.array:
     """Codes (..., n), each < 2**bits, as a bit stream in uint32 words (..., ceil(n * bits / 32))."""
     n = codes.shape[-1]
+    if 32 % bits == 0 and n * bits % 32 == 0:  # whole codes in a word, lowest bits first, as `unpack_bits` reads them
+        per_word = 32 // bits
+        shifted = codes.astype(mx.uint32).reshape(*codes.shape[:-1], n // per_word, per_word) << mx.arange(
+            0, 32, bits, dtype=mx.uint32)
+        return mx.sum(shifted, axis=-1).astype(mx.uint32)  # the codes' bits do not overlap: the sum is their OR
     stream = (mx.expand_dims(codes.astype(mx.uint32), -1) >> mx.arange(bits, dtype=mx.uint32)) & 1
     stream = stream.reshape(*codes.shape[:-1], n * bits)
     words = -(-n * bits // 32)
@@ -208,10 +213,12 @@ class TurboQuantCache(BlockKernelRoute, BlockCache):
         centroids, thresholds = (mx.array(a.astype(np.float32)) / math.sqrt(d) for a in gaussian_codebook(bits))
         norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
         u = x / mx.maximum(norm, 1e-30)
-        idx = mx.zeros(u.shape, mx.uint32)  # binary search over the sorted thresholds, one bit per step
+        # binary search over the sorted thresholds, one bit of the code per step, in bytes (codes are <= 8 bits):
+        # every step's arrays are held until the whole update is computed, so they are kept small
+        idx = mx.zeros(u.shape, mx.uint8)
         for level in reversed(range(bits)):
-            step = idx + (1 << level)
-            idx = mx.where(u > mx.take(thresholds, step - 1), step, idx)
+            above = u > mx.take(thresholds, idx + ((1 << level) - 1))
+            idx = idx + (above.astype(mx.uint8) << level)
         norm16 = norm.astype(STORE_DTYPE)
         parts = (pack_bits(idx, bits), norm16)
         if kind == "k" and self.qjl:
