@@ -50,10 +50,10 @@ class Source:
 # The current code's runs: a newer run of the same setting replaces its file here (and the old file goes to
 # docs/history with the text that cited it).
 SOURCES: tuple[Source, ...] = (
-    Source("GPU, batch 1", "model_decode-128k-field-450a0ef-h100-80gb-hbm3.json", 131072,
-           more=("model_decode-128k-rest-450a0ef-h100-80gb-hbm3.json",)),
-    Source("GPU, batch 8", "batch_capacity-w16-8x32k-prefill-kvarn4-450a0ef-h100-80gb-hbm3.json", 32768,
-           more=tuple(f"batch_capacity-w16-8x32k-prefill-{s}-450a0ef-h100-80gb-hbm3.json"
+    Source("GPU, batch 1", "model_decode-128k-field-50c5b13-h200.json", 131072,
+           more=("model_decode-128k-rest-50c5b13-h200.json",)),
+    Source("GPU, batch 8", "batch_capacity-w16-8x32k-prefill-kvarn4-50c5b13-h200.json", 32768,
+           more=tuple(f"batch_capacity-w16-8x32k-prefill-{s}-50c5b13-h200.json"
                       for s in ("kivi4", "turboquant4", "affine4"))),
     Source("CPU, batch 1", "model_decode-cpu.json", 4096),
 )
