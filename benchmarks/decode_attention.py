@@ -1,4 +1,4 @@
-"""Decode attention speed: fp16 SDPA, mlx-lm's affine path, and the fused affine/kvarn kernels.
+"""Decode attention speed: fp16 SDPA, mlx-lm's affine path, and the fused kernels (affine, kvarn, block caches).
 
 One query token, 32 q heads / 8 kv heads, head_dim 128, contexts 4K/32K/128K, all in one run.
 Each timing builds `--iters` independent calls, then evaluates them in one `mx.eval` (the eval round
@@ -25,6 +25,8 @@ from gmlx_lab.cache.affine.cache import AffineCache
 from gmlx_lab.cache.kvarn.cache import KvarnCache
 from gmlx_lab.cache.kvarn.records import encode_tokens
 from gmlx_lab.kernels import active_backend, config, precompiled, seal_records
+from gmlx_lab.registry import get_scheme
+from gmlx_lab.specs import parse_scheme_spec
 
 HQ, HKV, D = 32, 8, 128
 
@@ -69,8 +71,9 @@ SETTING_IMPLS = {**{f"fused_kvarn{b}_ring_{ring}": ("kvarn", b, {"ring": ring})
                  **{f"fused_{kind}{b}_{name}": (kind, b, {"merge_in_kernel": merge}) for kind, b in
                     (("kvarn", 6), ("kvarn", 4), ("affine", 4)) for name, merge in (("merged", True),
                                                                                     ("twolaunch", False))}}
+BLOCK_SCHEMES = ("kivi4", "turboquant4", "mxfp4", "nvfp4", "mxfp8")  # block caches that affine_decode reads
 IMPLS = ("fp16_sdpa", "mlx_lm_affine8", "mlx_lm_affine4", "fused_affine8", "fused_affine4", "fused_kvarn6",
-         "fused_kvarn4", *SETTING_IMPLS)
+         "fused_kvarn4", *SETTING_IMPLS, *(f"fused_{s}" for s in BLOCK_SCHEMES))
 DEFAULT_IMPLS = IMPLS[:7]
 
 
@@ -131,6 +134,21 @@ def fused_kvarn_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float
             {"records": c.n_records})
 
 
+def fused_block_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float, spec: str) -> Call:
+    """A block cache of the registry (KIVI, TurboQuant, the floats) on its fused decode path, filled in 2048-token
+    chunks, then one decode token (which encodes the last chunk's due blocks): a decode step's steady state."""
+    scheme, options = parse_scheme_spec(spec)
+    c = get_scheme(scheme).make_cache(get_scheme(scheme).resolve(**options), layer=0)
+    for start in range(0, k.shape[2] - 1, 2048):
+        end = min(start + 2048, k.shape[2] - 1)
+        c.update_and_fetch(k[:, :, start:end], v[:, :, start:end])
+        mx.eval([a for a in c.state if isinstance(a, mx.array)])
+    kk, vv = c.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+    c.attention_path = "fused"
+    mx.eval([a for a in c.state if isinstance(a, mx.array)])
+    return lambda: c.attend(qs[0], kk, vv, scale, None), c.nbytes - c.regions()["reserve"], {}
+
+
 def random_qkv(tokens: int) -> tuple[mx.array, mx.array, mx.array]:
     """Queries (1, HQ, 1, D) and a context's K, V (1, HKV, tokens, D), float16, seeded by the context."""
     mx.random.seed(tokens)
@@ -177,6 +195,8 @@ def bench_context(tokens: int, iters: int, repeats: int, impls: tuple[str, ...] 
     for impl, (kind, bits, settings) in SETTING_IMPLS.items():
         with config.configured(**settings):  # the plan (the compiled graph's key) carries them
             add(impl, lambda kind=kind, bits=bits: states[kind](qs, k, v, scale, bits))
+    for spec in BLOCK_SCHEMES:
+        add(f"fused_{spec}", lambda spec=spec: fused_block_state(qs, k, v, scale, spec))
     base = next(r["us"] for r in rows if r["impl"] == "fp16_sdpa")
     for r in rows:
         r["ratio_to_fp16"] = round(r["us"] / base, 3)

@@ -46,7 +46,15 @@ PCSAMP = "smsp__pcsamp_warps_issue_stalled_"
 def child(impl: str, tokens: int, warm: int) -> None:
     """Build impl's state at `tokens`, warm it, then one call inside the profiler's range."""
     import mlx.core as mx
-    from decode_attention import D, fused_affine_state, fused_kvarn_state, random_qkv, sdpa_state
+    from decode_attention import (
+        BLOCK_SCHEMES,
+        D,
+        fused_affine_state,
+        fused_block_state,
+        fused_kvarn_state,
+        random_qkv,
+        sdpa_state,
+    )
 
     from gmlx_lab.kernels import config
 
@@ -65,6 +73,8 @@ def child(impl: str, tokens: int, warm: int) -> None:
             fn = fused_kvarn_state(qs, k, v, scale, int(name.removeprefix("fused_kvarn")))[0]
         elif name.startswith("fused_affine"):
             fn = fused_affine_state(qs, k, v, scale, int(name.removeprefix("fused_affine")))[0]
+        elif name.removeprefix("fused_") in BLOCK_SCHEMES:
+            fn = fused_block_state(qs, k, v, scale, name.removeprefix("fused_"))[0]
         else:
             raise SystemExit(f"unknown impl {impl!r}")
         for _ in range(warm):

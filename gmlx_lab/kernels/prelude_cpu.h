@@ -110,6 +110,9 @@ FN void mma16816(float* c, const u32* a, const u32* b, u32 lane) {
   }
 }
 
+// CUDA's L2 prefetch hint: nothing to do on the CPU (it changes no value a kernel computes).
+template <typename T> FN void prefetch_l2(const T*, u32, u32, u32) {}
+
 // ---- asynchronous copies (CUDA's cp.async), done late on purpose ----
 // Each lane keeps its copies in groups; a copy happens only when the lane waits for its group (async_wait), never
 // when it is issued, so a body that reads a slot before waiting, or before the other lanes have waited

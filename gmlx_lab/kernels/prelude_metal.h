@@ -68,3 +68,7 @@ FN void async_copy16(threadgroup u32* dst, const device u32* src) {
 FN void async_copy4(threadgroup u32* dst, const device u32* src) { dst[0] = src[0]; }
 FN void async_commit() {}
 template <int N> FN void async_wait() {}
+
+// CUDA's L2 prefetch hint (prelude_cuda.h); Metal has none, and Apple GPUs read unified memory through their own
+// caches, so here it does nothing.
+template <typename T> FN void prefetch_l2(const device T* p, u32 n, u32 tid, u32 threads) {}
