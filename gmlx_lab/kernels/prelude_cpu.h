@@ -19,7 +19,6 @@
 #define TO_FLOAT(x) static_cast<float>(x)
 #define TO_HALF(x) static_cast<_Float16>(x)     // round to nearest even
 #define AS_FLOAT(u) std::bit_cast<float>(static_cast<u32>(u))
-#define AS_BITS(f) std::bit_cast<u32>(static_cast<float>(f))
 #define NEG_INF (-std::numeric_limits<float>::infinity())
 #define THREAD
 #define SHARED_PTR
@@ -77,10 +76,6 @@ FN u32 byte_perm(u32 x, u32 y, u32 s) {
 }
 FN float half_bits_to_float(u32 bits) {
   return static_cast<float>(std::bit_cast<_Float16>(static_cast<uint16_t>(bits & 0xffffu)));
-}
-FN u32 half2_sub(u32 x, u32 y) {   // float16 pairs x - y, each half rounded on its own
-  const auto half = [](u32 b) { return std::bit_cast<_Float16>(static_cast<uint16_t>(b & 0xffffu)); };
-  return pack_half2(static_cast<float>(half(x) - half(y)), static_cast<float>(half(x >> 16) - half(y >> 16)));
 }
 
 // ---- C += A B, as PTX mma.m16n8k16.row.col.f32.f16.f16.f32 (fragment layout: kvarn_decode.h) ----

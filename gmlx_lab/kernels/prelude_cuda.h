@@ -11,7 +11,6 @@
 #define TO_FLOAT(x) __half2float(x)
 #define TO_HALF(x) __float2half_rn(x)
 #define AS_FLOAT(u) __uint_as_float(u)           // reinterpret the 32 bits of a u32 as a float
-#define AS_BITS(f) __float_as_uint(f)            // and the 32 bits of a float as a u32
 #define NEG_INF (-__int_as_float(0x7f800000))
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -43,10 +42,6 @@ FN void atomic_reset(const u32* p) { atomicExch(const_cast<u32*>(p), 0u); }
 // float16 pairs held in a u32 (the smaller index in the low half), and one float16 from its bits.
 FN u32 pack_half2(float lo, float hi) { const __half2 h = __floats2half2_rn(lo, hi); return *reinterpret_cast<const u32*>(&h); }
 FN float half_bits_to_float(u32 bits) { return __half2float(__ushort_as_half((unsigned short)bits)); }
-FN u32 half2_sub(u32 x, u32 y) {   // float16 pairs x - y, each half on its own
-  const __half2 d = __hsub2(*reinterpret_cast<const __half2*>(&x), *reinterpret_cast<const __half2*>(&y));
-  return *reinterpret_cast<const u32*>(&d);
-}
 
 // Byte n of the result is byte (s >> 4n) & 7 of the eight bytes of x (0..3) then y (4..7): one PRMT instruction.
 FN u32 byte_perm(u32 x, u32 y, u32 s) { return __byte_perm(x, y, s); }

@@ -11,7 +11,6 @@
 #define TO_FLOAT(x) float(x)
 #define TO_HALF(x) half(x)
 #define AS_FLOAT(u) as_type<float>(u)            // reinterpret the 32 bits of a u32 as a float
-#define AS_BITS(f) as_type<uint>(f)              // and the 32 bits of a float as a u32
 #define NEG_INF (-INFINITY)
 typedef uint u32;
 typedef ulong u64;
@@ -44,7 +43,6 @@ FN void atomic_reset(const device u32* p) { atomic_store_explicit((device atomic
 // float16 pairs held in a u32 (the smaller index in the low half), and one float16 from its bits.
 FN u32 pack_half2(float lo, float hi) { return as_type<uint>(half2(lo, hi)); }
 FN float half_bits_to_float(u32 bits) { return float(as_type<half>(ushort(bits))); }
-FN u32 half2_sub(u32 x, u32 y) { return as_type<uint>(as_type<half2>(x) - as_type<half2>(y)); }   // float16 pairs x - y
 
 // C += A B with the fragments of CUDA's mma.m16n8k16 (layout in kvarn_decode.h), computed by SIMD
 // shuffles: lane (g, t) gathers rows g, g+8 of A and columns 2t, 2t+1 of B from the lanes holding them.

@@ -36,7 +36,6 @@ struct half2 {
   half x, y;
   half2() = default;
   constexpr half2(half x_, half y_) : x(x_), y(y_) {}
-  friend half2 operator-(half2 a, half2 b) { return half2(a.x - b.x, a.y - b.y); }
 };
 struct alignas(8) float2 { float x, y; };       // Metal's sizes and alignments
 struct alignas(16) float4 { float x, y, z, w; };
