@@ -17,6 +17,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
@@ -134,18 +135,26 @@ def fused_kvarn_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float
             {"records": c.n_records})
 
 
-def fused_block_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float, spec: str) -> Call:
-    """A block cache of the registry (KIVI, TurboQuant, the floats) on its fused decode path, filled in 2048-token
-    chunks, then one decode token (which encodes the last chunk's due blocks): a decode step's steady state."""
+def block_cache(spec: str, k: mx.array, v: mx.array) -> Any:
+    """A block cache of the registry (KIVI, TurboQuant, the floats) filled with k, v (1, HKV, tokens, D) in
+    2048-token chunks but the last token, then that one token as a decode step (which encodes the last chunk's due
+    blocks): a decode step's steady state, on its fused decode path."""
     scheme, options = parse_scheme_spec(spec)
     c = get_scheme(scheme).make_cache(get_scheme(scheme).resolve(**options), layer=0)
     for start in range(0, k.shape[2] - 1, 2048):
         end = min(start + 2048, k.shape[2] - 1)
         c.update_and_fetch(k[:, :, start:end], v[:, :, start:end])
         mx.eval([a for a in c.state if isinstance(a, mx.array)])
-    kk, vv = c.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+    c.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
     c.attention_path = "fused"
     mx.eval([a for a in c.state if isinstance(a, mx.array)])
+    return c
+
+
+def fused_block_state(qs: list[mx.array], k: mx.array, v: mx.array, scale: float, spec: str) -> Call:
+    """`block_cache`'s decode attention (the K/V it fetched are never read on the fused path)."""
+    c = block_cache(spec, k, v)
+    kk, vv = c.fetch(qs[0].dtype)
     return lambda: c.attend(qs[0], kk, vv, scale, None), c.nbytes - c.regions()["reserve"], {}
 
 

@@ -55,3 +55,29 @@ def test_chained_calls_read_the_output_of_the_call_before() -> None:
     assert len(seen) == 10
     rows = decode_attention.bench_context(256, 2, 1, ("fp16_sdpa",), chain=True)
     assert rows[0]["impl"] == "fp16_sdpa" and rows[0]["us"] > 0
+
+
+@pytest.mark.gpu
+def test_block_rows_attend_through_the_fused_kernel_over_fewer_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--impls fused_kivi4 ... fused_mxfp8: each block cache, filled and one decode token on, attends through its
+    fused kernel (an affine_decode launch) as its reference path does, reading fewer bytes than fp16's K/V."""
+    from gmlx_lab.kernels import affine
+
+    q, k, v = decode_attention.random_qkv(1024)
+    scale = decode_attention.D**-0.5
+    launched = []
+    real = affine.launch
+    monkeypatch.setattr(affine, "launch", lambda name, *args, **kwargs: launched.append(name) or real(name, *args,
+                                                                                                         **kwargs))
+    for spec in decode_attention.BLOCK_SCHEMES:
+        fn, read, _ = decode_attention.fused_block_state([q], k, v, scale, spec)
+        launched.clear()
+        fused = fn()
+        mx.eval(fused)
+        assert launched == ["affine_decode"], (spec, launched)
+        cache = decode_attention.block_cache(spec, k, v)
+        cache.attention_path = "reference"
+        ref = cache.attend(q, *cache.fetch(q.dtype), scale, None)
+        err = float(mx.abs(fused.astype(mx.float32) - ref.astype(mx.float32)).max() / mx.abs(ref).max())
+        assert err < 1e-2, (spec, err)
+        assert read < k.nbytes + v.nbytes, spec
