@@ -65,14 +65,15 @@ FN void async_copy16(u32* dst, const u32* src) {
 FN void async_copy4(u32* dst, const u32* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
 }
-// Ask the L2 cache for elements [p, p + n) ahead of their loads, the `threads` threads of a group sharing the 128-byte
-// lines (only lines that hold some of those elements): a hint that holds no registers, so the loads that follow
-// wait on L2 rather than device memory.
+FN void async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> FN void async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+// Ask the L2 cache for elements [p, p + n) ahead of their loads, the `threads` threads of a group sharing the
+// 128-byte lines that hold some of them: a hint that holds no registers, so the loads that follow wait on L2 rather
+// than on device memory.
 template <typename T> FN void prefetch_l2(const T* p, u32 n, u32 tid, u32 threads) {
   const char* end = reinterpret_cast<const char*>(p + n);
   for (const char* a = reinterpret_cast<const char*>(reinterpret_cast<size_t>(p) & ~size_t(127)) + size_t(tid) * 128u;
        a < end; a += size_t(threads) * 128u)
     asm volatile("prefetch.global.L2 [%0];" :: "l"(a));
 }
-FN void async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> FN void async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }

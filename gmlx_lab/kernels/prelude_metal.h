@@ -69,6 +69,6 @@ FN void async_copy4(threadgroup u32* dst, const device u32* src) { dst[0] = src[
 FN void async_commit() {}
 template <int N> FN void async_wait() {}
 
-// CUDA's L2 prefetch hint (prelude_cuda.h); Metal has none, and Apple GPUs read unified memory through their own
-// caches, so here it does nothing.
+// CUDA's L2 prefetch hint (prelude_cuda.h): the Metal shading language has no such instruction, so here it does
+// nothing (a hint changes no value a kernel computes).
 template <typename T> FN void prefetch_l2(const device T* p, u32 n, u32 tid, u32 threads) {}
