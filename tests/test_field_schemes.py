@@ -322,3 +322,38 @@ def test_rotated_schemes_refuse_head_dims_they_cannot_undo() -> None:
     assert "not its own inverse" in get_scheme("affine_rot").declines("k", 160, 160, {"group_size": 32, "bits": 4})
     assert get_scheme("affine").declines("k", 160, 160, {"group_size": 32, "bits": 4}) is None
     assert rotation_problem(288) == "head_dim 288 has no Hadamard transform in MLX (accepted: 2^k or 12 x 2^k)"
+
+
+@pytest.mark.parametrize("spec", ["mxfp4", "nvfp4:tail=64,sink=4", "mxfp4_rot"])
+def test_a_4bit_float_decode_step_on_the_cpu_attends_from_its_codes(spec):
+    """On the CPU a decode step of mxfp4 or nvfp4 scores the blocks' codes with mx.quantized_matmul, the fp16 sink
+    and recent tokens in the same softmax: the reference attention's output, without the float32 copy of every
+    block that decoding holds (mxfp8, slower that way, keeps the reference)."""
+    name, options = parse_scheme_spec(spec)
+    cache = get_scheme(name).make_cache(get_scheme(name).resolve(**options), layer=0)
+    for seed in range(2):  # 8192 tokens of 8 KV heads of 128
+        cache.update_and_fetch(*(mx.random.normal((1, 8, 4096, 128), key=mx.random.key(seed + i)) for i in (0, 10)))
+        mx.eval(cache.state)
+    keys, values = cache.update_and_fetch(*(mx.random.normal((1, 8, 1, 128), key=mx.random.key(s)) for s in (8, 9)))
+    q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(7))
+    mx.eval(q, cache.state)
+    assert cache.quantized_matmul_step(q, values, "causal")
+
+    def attend(path: str) -> tuple[mx.array, int]:
+        cache.attention_path = path
+        k, v = cache.fetch(mx.float32)  # lazy, as mlx-lm's attention hands them over
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        start = mx.get_active_memory()
+        out = cache.attend(q, k, v, scale=0.088, mask="causal")
+        mx.eval(out)
+        return out, mx.get_peak_memory() - start
+
+    out, peak = attend("auto")
+    ref, ref_peak = attend("reference")
+    assert float(mx.abs(out - ref).max() / mx.abs(ref).max()) < 1e-5
+    decoded = 2 * 4 * 8 * 8192 * 128  # the blocks' K and V in float32
+    assert peak < decoded / 4 < ref_peak, (peak, ref_peak)
+    mxfp8 = get_scheme("float").make_cache(get_scheme("float").resolve(bits=8), layer=0)
+    mxfp8.update_and_fetch(*(mx.random.normal((1, 8, 64, 128)) for _ in range(2)))
+    assert not mxfp8.quantized_matmul_step(q, values, None)

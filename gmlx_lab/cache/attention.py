@@ -12,6 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .buffers import STORE_DTYPE
+
 # What attention may hold beside the cache: a cache whose decoded K/V (and, on the CPU, where SDPA is not fused, its
 # scores) would take more is decoded and attended a slice at a time, each slice's scores and decoded K/V within this
 # size, so a prompt chunk's transient memory stays near it whatever the context.
@@ -75,6 +77,44 @@ def grouped_attention(
     lse = mx.logsumexp(scores, axis=-1)
     out = grouped_output(mx.exp(scores - lse[..., None]), values)
     return out, lse.reshape(queries.shape[:3])
+
+
+def quantized_attention(queries: mx.array, scale: float, mask: Any, codes: tuple[list[mx.array], list[mx.array]],
+                        options: dict[str, Any], tokens: int, fp16: tuple[mx.array, mx.array] | None = None,
+                        turn: Callable[[mx.array], mx.array] | None = None) -> mx.array:
+    """Attention of queries (B, Hq, L, D) over the first `tokens` rows of K and V stored as `mx.quantize` rows
+    (`codes`: the K and V arrays it returns, (B, Hkv, rows, ...)) by two `mx.quantized_matmul` calls, so the codes are
+    never decoded; `options` are mx.quantize's (group_size, bits, mode). `fp16`: further K and V tokens
+    (B, Hkv, n, D) stored as they are, scored after the codes in one softmax (the mask, if any, covers codes then
+    fp16 tokens). `turn`: a self-inverse rotation the codes live in (the normalized Hadamard transform): the queries
+    turn into it for the codes' scores and the codes' share of the output turns back. The CPU computes in the
+    queries' dtype (float32 there); a GPU in the stored scales' float16, as mlx-lm's quantized attention does."""
+    b, hq, length, d = queries.shape
+    hkv = codes[0][0].shape[1]
+    g = hq // hkv
+    dtype = queries.dtype if mx.default_device() == mx.cpu else STORE_DTYPE
+    # a kv head's G x L queries as one matrix, so the codes are read once, not copied for each query head
+    q = (queries * scale).astype(dtype).reshape(b, hkv, g * length, d)
+    kc, vc = ([x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x for x in parts] for parts in codes)
+    scores = mx.quantized_matmul(turn(q) if turn else q, *kc, transpose=True, **options)
+    scores = scores.reshape(b, hkv, g, length, -1)
+    if scores.shape[-1] != tokens:  # rows past `tokens` (a buffer's spare room) are not tokens
+        scores = scores[..., :tokens]
+    if fp16 is not None:
+        q5 = q.reshape(b, hkv, g, length, d)
+        scores = mx.concatenate([scores, q5 @ mx.expand_dims(fp16[0].astype(dtype), 2).swapaxes(-1, -2)], axis=-1)
+    if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
+        mask = mx.expand_dims(mask, 2)
+    probs = mx.softmax(apply_mask(scores, mask), axis=-1, precise=True)
+    coded = probs[..., :tokens].reshape(b, hkv, g * length, tokens)
+    rows = vc[0].shape[-2]
+    if rows != tokens:  # zero weight for the spare rows
+        coded = mx.pad(coded, [(0, 0)] * 3 + [(0, rows - tokens)])
+    out = mx.quantized_matmul(coded, *vc, transpose=False, **options)
+    out = (turn(out) if turn else out).reshape(b, hkv, g, length, -1)
+    if fp16 is not None:
+        out = out + probs[..., tokens:] @ mx.expand_dims(fp16[1].astype(dtype), 2)
+    return out.reshape(b, hq, length, -1).astype(queries.dtype)
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> mx.array:

@@ -24,7 +24,7 @@ import mlx.core as mx
 from ...kernels import MAX_QUERY_TOKENS, AffineCall, SplitCounter, active_backend, affine_attend, affine_supported
 from ...registry import Option, register_scheme
 from .. import window
-from ..attention import apply_mask
+from ..attention import quantized_attention
 from ..block import BlockCache, BlockScheme
 from ..buffers import KV, STORE_DTYPE, GrowingBuffer, array_bytes
 from ..kernel_route import KernelRoute
@@ -204,23 +204,8 @@ class AffineCache(KernelRoute, BlockCache):
     def _quantized_attention(self, q: mx.array, qk: list[mx.array], qv: list[mx.array], scale: float,
                              mask: Any) -> mx.array:
         """Scores and output with two `mx.quantized_matmul` calls; K/V are never decoded."""
-        b, hq, length, d = q.shape
-        hkv = qk[0].shape[1]
-        out_dtype = q.dtype
-        # The CPU computes in the query's dtype (float32 there); on a GPU (Metal: CUDA decodes the codes instead,
-        # `_decoded_block`) the matmuls run in the stored scales' float16, as mlx-lm's own path does.
-        dtype = q.dtype if mx.default_device() == mx.cpu else STORE_DTYPE
-        q = (q * scale).astype(dtype).reshape(b, hkv, hq // hkv, length, d)
-        # broadcast the codes and scales over the GQA group
-        qk, qv = ([mx.expand_dims(x if x.dtype == mx.uint32 else x.astype(dtype), 2) for x in parts]
-                  for parts in (qk, qv))
-        opts = {"group_size": self.group_size, "bits": self.bits}
-        scores = mx.quantized_matmul(q, *qk, transpose=True, **opts)
-        if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
-            mask = mx.expand_dims(mask, 2)
-        probs = mx.softmax(apply_mask(scores, mask), axis=-1, precise=True)
-        out = mx.quantized_matmul(probs, *qv, transpose=False, **opts)
-        return out.reshape(b, hq, length, -1).astype(out_dtype)
+        return quantized_attention(q, scale, mask, (qk, qv), {"group_size": self.group_size, "bits": self.bits},
+                                   qk[0].shape[2])
 
     def regions(self) -> dict[str, int]:
         """Codes and scales (with offsets) once quantized, else the fp16 tokens; and the buffers' growth room."""
