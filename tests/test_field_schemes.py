@@ -324,10 +324,10 @@ def test_rotated_schemes_refuse_head_dims_they_cannot_undo() -> None:
     assert rotation_problem(288) == "head_dim 288 has no Hadamard transform in MLX (accepted: 2^k or 12 x 2^k)"
 
 
-@pytest.mark.parametrize("spec", ["mxfp4", "nvfp4:tail=64,sink=4", "mxfp4_rot"])
-def test_a_4bit_float_decode_step_on_the_cpu_attends_from_its_codes(spec):
-    """On the CPU a decode step of mxfp4 or nvfp4 scores the blocks' codes with mx.quantized_matmul, the fp16 sink
-    and recent tokens in the same softmax: the reference attention's output, without the float32 copy of every
+@pytest.mark.parametrize("spec", ["mxfp4", "nvfp4:tail=64,sink=4", "mxfp4_rot", "kivi4", "kivi:k2v4,sink=4"])
+def test_a_decode_step_on_the_cpu_attends_from_the_codes(spec):
+    """On the CPU a decode step of mxfp4, nvfp4 or KIVI scores the blocks' codes with mx.quantized_matmul, the fp16
+    sink and recent tokens in the same softmax: the reference attention's output, without the float32 copy of every
     block that decoding holds (mxfp8, slower that way, keeps the reference)."""
     name, options = parse_scheme_spec(spec)
     cache = get_scheme(name).make_cache(get_scheme(name).resolve(**options), layer=0)
@@ -337,7 +337,7 @@ def test_a_4bit_float_decode_step_on_the_cpu_attends_from_its_codes(spec):
     keys, values = cache.update_and_fetch(*(mx.random.normal((1, 8, 1, 128), key=mx.random.key(s)) for s in (8, 9)))
     q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(7))
     mx.eval(q, cache.state)
-    assert cache.quantized_matmul_step(q, values, "causal")
+    assert cache.quantized_matmul_step(q, values, "causal") and cache.matmul_codes() is not None
 
     def attend(path: str) -> tuple[mx.array, int]:
         cache.attention_path = path
@@ -356,4 +356,4 @@ def test_a_4bit_float_decode_step_on_the_cpu_attends_from_its_codes(spec):
     assert peak < decoded / 4 < ref_peak, (peak, ref_peak)
     mxfp8 = get_scheme("float").make_cache(get_scheme("float").resolve(bits=8), layer=0)
     mxfp8.update_and_fetch(*(mx.random.normal((1, 8, 64, 128)) for _ in range(2)))
-    assert not mxfp8.quantized_matmul_step(q, values, None)
+    assert mxfp8.matmul_codes() is None

@@ -80,23 +80,31 @@ def grouped_attention(
 
 
 def quantized_attention(queries: mx.array, scale: float, mask: Any, codes: tuple[list[mx.array], list[mx.array]],
-                        options: dict[str, Any], tokens: int, fp16: tuple[mx.array, mx.array] | None = None,
-                        turn: Callable[[mx.array], mx.array] | None = None) -> mx.array:
-    """Attention of queries (B, Hq, L, D) over the first `tokens` rows of K and V stored as `mx.quantize` rows
-    (`codes`: the K and V arrays it returns, (B, Hkv, rows, ...)) by two `mx.quantized_matmul` calls, so the codes are
-    never decoded; `options` are mx.quantize's (group_size, bits, mode). `fp16`: further K and V tokens
-    (B, Hkv, n, D) stored as they are, scored after the codes in one softmax (the mask, if any, covers codes then
-    fp16 tokens). `turn`: a self-inverse rotation the codes live in (the normalized Hadamard transform): the queries
-    turn into it for the codes' scores and the codes' share of the output turns back. The CPU computes in the
-    queries' dtype (float32 there); a GPU in the stored scales' float16, as mlx-lm's quantized attention does."""
+                        options: tuple[dict[str, Any], dict[str, Any]], tokens: int,
+                        fp16: tuple[mx.array, mx.array] | None = None,
+                        turn: Callable[[mx.array], mx.array] | None = None, k_channels: bool = False) -> mx.array:
+    """Attention of queries (B, Hq, L, D) over the first `tokens` tokens of K and V stored as `mx.quantize` codes
+    (`codes`: the K and V arrays it returns, rows (B, Hkv, rows, ...)) by two `mx.quantized_matmul` calls, so the
+    codes are never decoded; `options`: mx.quantize's (group_size, bits, mode) for K and for V. `k_channels`: K is
+    stored a block at a time with its channels as rows (B, Hkv, blocks, D, ...), quantized along the block's tokens
+    (KIVI). `fp16`: further K and V tokens (B, Hkv, n, D) stored as they are, scored after the codes in one softmax
+    (the mask, if any, covers codes then fp16 tokens). `turn`: a self-inverse rotation the codes live in (the
+    normalized Hadamard transform): the queries turn into it for the codes' scores and the codes' share of the output
+    turns back. The CPU computes in the queries' dtype (float32 there); a GPU in the stored scales' float16, as
+    mlx-lm's quantized attention does."""
     b, hq, length, d = queries.shape
-    hkv = codes[0][0].shape[1]
+    hkv = codes[1][0].shape[1]
     g = hq // hkv
     dtype = queries.dtype if mx.default_device() == mx.cpu else STORE_DTYPE
     # a kv head's G x L queries as one matrix, so the codes are read once, not copied for each query head
     q = (queries * scale).astype(dtype).reshape(b, hkv, g * length, d)
     kc, vc = ([x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x for x in parts] for parts in codes)
-    scores = mx.quantized_matmul(turn(q) if turn else q, *kc, transpose=True, **options)
+    qc = turn(q) if turn else q
+    if k_channels:  # each block's (D x block tokens) matrix times the queries: (B, Hkv, blocks, G L, block tokens)
+        scores = mx.quantized_matmul(mx.expand_dims(qc, 2), *kc, transpose=False, **options[0])
+        scores = scores.swapaxes(2, 3).reshape(b, hkv, g * length, -1)
+    else:
+        scores = mx.quantized_matmul(qc, *kc, transpose=True, **options[0])
     scores = scores.reshape(b, hkv, g, length, -1)
     if scores.shape[-1] != tokens:  # rows past `tokens` (a buffer's spare room) are not tokens
         scores = scores[..., :tokens]
@@ -110,7 +118,7 @@ def quantized_attention(queries: mx.array, scale: float, mask: Any, codes: tuple
     rows = vc[0].shape[-2]
     if rows != tokens:  # zero weight for the spare rows
         coded = mx.pad(coded, [(0, 0)] * 3 + [(0, rows - tokens)])
-    out = mx.quantized_matmul(coded, *vc, transpose=False, **options)
+    out = mx.quantized_matmul(coded, *vc, transpose=False, **options[1])
     out = (turn(out) if turn else out).reshape(b, hkv, g, length, -1)
     if fp16 is not None:
         out = out + probs[..., tokens:] @ mx.expand_dims(fp16[1].astype(dtype), 2)

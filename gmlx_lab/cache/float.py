@@ -10,7 +10,8 @@ The format is (bits, group_size): 4 and 32, 4 and 16, 8 and 32 (the only ones ML
 the format ("mxfp4", "nvfp4_rot", "mxfp8") or spell it out ("float4:g=16,rot=1"). The block base derives the byte
 formula, the policy rule and the audit. On a GPU a decode step attends from the codes (kernels/blocks.py:
 affine_decode looking each code and each scale byte up in the format's tables, `format_tables`), merged with the
-fp16 tokens' attention. What it rotates, scales and keeps fp16, and its bytes per token: docs/field.md.
+fp16 tokens' attention; on the CPU the 4-bit formats' codes go to `mx.quantized_matmul`. What it rotates, scales
+and keeps fp16, and its bytes per token: docs/field.md.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import BlockLayout, active_backend, value_tables
+from ..kernels import BlockLayout, value_tables
 from ..registry import Option, register_scheme
-from .attention import quantized_attention
-from .block import BlockCache, BlockScheme, joined
-from .buffers import KV
-from .kernel_route import BlockKernelRoute
+from .block import BlockCache, BlockScheme
+from .kernel_route import BlockKernelRoute, MatmulCodes
 from .options import with_sink
 
 FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group_size) -> mx.quantize mode
@@ -112,30 +111,12 @@ class FloatCache(BlockKernelRoute, BlockCache):
         return mx.dequantize(codes, scales, group_size=self.group_size, bits=self.bits, mode=self.mode,
                              dtype=mx.float32)
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        """A decode step of a 4-bit format on the CPU attends from the codes by two `mx.quantized_matmul` calls (with
-        the fp16 sink and recent tokens in the same softmax): MLX's CPU dequantizes these formats more slowly than it
-        attends, so decoding every block each step cost most of the step (benchmarks/cpu_attention.py). Elsewhere
-        as the block base routes it: affine_decode on a GPU, the reference path."""
-        if not self.quantized_matmul_step(queries, values, mask):
-            return super().attend(queries, keys, values, scale, mask)
-        n = self.recent_count
-        pieces = ([self.sink] if self.sink is not None else []) + ([KV(self.recent.k.view(n), self.recent.v.view(n))]
-                                                                   if n else [])
-        codes = tuple([b.data.reshape(*b.data.shape[:2], -1, b.data.shape[-1]) for b in bufs]
-                      for bufs in self.body_buffers)
-        return quantized_attention(queries, scale, mask, codes, {"group_size": self.group_size, "bits": self.bits,
-                                   "mode": self.mode}, self.n_blocks * self.block_tokens,
-                                   joined(pieces, queries.dtype) if pieces else None,
-                                   self.rotate if self.rotation else None)
-
-    def quantized_matmul_step(self, queries: mx.array, values: mx.array, mask: Any) -> bool:
-        """Whether `attend` takes two `mx.quantized_matmul` calls: "auto" on the CPU, a 4-bit format (mxfp8's were
-        slower than decoding), one query token (past it, decoding won for affine's codes too), blocks held, and K
-        and V of the queries' width."""
-        return (self.attention_path == "auto" and active_backend() == "cpu" and self.bits == 4 and self.n_blocks > 0
-                and queries.shape[2] == 1 and (mask is None or isinstance(mask, str))
-                and values.shape[-1] == queries.shape[-1])
+    def matmul_codes(self) -> MatmulCodes | None:
+        """The 4-bit formats' blocks as rows for `mx.quantized_matmul` (mxfp8's were slower that way than decoded)."""
+        if self.bits != 4:
+            return None
+        options = {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+        return MatmulCodes((options, options), self.rotate if self.rotation else None)
 
     def kernel_layout(self) -> BlockLayout:
         """The blocks as affine_decode reads them: codes and byte scales looked up in the format's tables, no

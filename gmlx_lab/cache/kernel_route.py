@@ -1,14 +1,15 @@
 """Kernel routing, mixins only the schemes with fused GPU kernels inherit: which path `attend` takes (the fused
 kernel, its emulation or the pure-MLX reference), whether a kernel passed its self-check, and the fused call a
 decode step keeps (`KernelRoute`: kvarn, affine); and the attention of block caches whose blocks affine's kernel
-reads (`BlockKernelRoute`: KIVI, TurboQuant, the floats). A pure-MLX scheme never imports this module, so it never
-loads the kernel layer.
+reads (`BlockKernelRoute`: KIVI, TurboQuant, the floats), and on the CPU, where no kernel runs, their decode steps
+through `mx.quantized_matmul` where their codes are mx.quantize's (KIVI, the 4-bit floats). A pure-MLX scheme never
+imports this module, so it never loads the kernel layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
@@ -24,6 +25,7 @@ from ..kernels import (
     precompiled,
     selfcheck,
 )
+from .attention import quantized_attention
 from .buffers import KV
 
 
@@ -106,6 +108,16 @@ class KernelRoute:
         return call
 
 
+class MatmulCodes(NamedTuple):
+    """How `mx.quantized_matmul` reads a block cache's codes (`BlockKernelRoute.matmul_codes`): mx.quantize's options
+    for K and V, the self-inverse rotation the blocks live in (or None), and whether K's blocks hold channels as rows
+    (quantized along the block's tokens: KIVI) rather than tokens."""
+
+    options: tuple[dict[str, Any], dict[str, Any]]
+    turn: Callable[[mx.array], mx.array] | None = None
+    k_channels: bool = False
+
+
 class BlockKernelRoute(KernelRoute):
     """For a block cache whose blocks affine_decode reads in place (KIVI, TurboQuant, the floats: kernels/blocks.py):
     `attend` in one launch over the codes and the fp16 sink and recent tokens, where `kernel_layout` gives the
@@ -126,6 +138,9 @@ class BlockKernelRoute(KernelRoute):
         layout = self.kernel_layout() if ready else None
         route = self.kernel_route(layout is not None and affine_supported(queries, mask), "affine_decode")
         if route is None:
+            codes = self.matmul_codes() if self.quantized_matmul_step(queries, values, mask) else None
+            if codes is not None:
+                return self.codes_attention(queries, scale, mask, codes)
             return super().attend(queries, keys, values, scale, mask)
         fp16 = Fp16Tokens(self.sink, KV(self.recent.k.data, self.recent.v.data), self.recent_count)
         causal = isinstance(mask, str) and queries.shape[2] > 1
@@ -137,6 +152,34 @@ class BlockKernelRoute(KernelRoute):
         if self._counter is None:
             self._counter = SplitCounter()
         return call(queries, self.n_blocks, self.recent_count, self._counter)
+
+    def matmul_codes(self) -> MatmulCodes | None:
+        """How `mx.quantized_matmul` reads the blocks, for a decode step on the CPU; None (the reference path) where
+        they are not mx.quantize's codes or that is slower than decoding them."""
+        return None
+
+    def quantized_matmul_step(self, queries: mx.array, values: mx.array, mask: Any) -> bool:
+        """Whether a decode step may attend from the codes by two `mx.quantized_matmul` calls: "auto" on the CPU
+        (where no fused kernel runs), one query token (past it, decoding won for affine's codes, AffineCache),
+        blocks held, K and V of the queries' width, no array mask, and nothing rotated on arrival. Decoding every
+        block each step cost most of a CPU step (benchmarks/cpu_attention.py)."""
+        return (self.attention_path == "auto" and active_backend() == "cpu" and self.n_blocks > 0
+                and queries.shape[2] == 1 and (mask is None or isinstance(mask, str)) and not self.rotate_on_arrival
+                and values.shape[-1] == queries.shape[-1])
+
+    def codes_attention(self, queries: mx.array, scale: float, mask: Any, codes: MatmulCodes) -> mx.array:
+        """Attention over the blocks' codes by `mx.quantized_matmul` and the fp16 sink and recent tokens, in one
+        softmax (attention.quantized_attention); the blocks' buffers are read whole, their spare rows unweighted."""
+        n = self.recent_count
+        pieces = ([self.sink] if self.sink is not None else []) + ([KV(self.recent.k.view(n), self.recent.v.view(n))]
+                                                                   if n else [])
+        fp16 = KV(*(mx.concatenate(xs, axis=2) if len(xs) > 1 else xs[0] for xs in zip(*pieces))) if pieces else None
+        k_parts, v_parts = ([b.data for b in bufs] for bufs in self.body_buffers)
+        if not codes.k_channels:  # blocks of token rows read as one token axis: a free reshape
+            k_parts = [x.reshape(*x.shape[:2], -1, x.shape[-1]) for x in k_parts]
+        v_parts = [x.reshape(*x.shape[:2], -1, x.shape[-1]) for x in v_parts]
+        return quantized_attention(queries, scale, mask, (k_parts, v_parts), codes.options,
+                                   self.n_blocks * self.block_tokens, fp16, codes.turn, codes.k_channels)
 
     def fetch(self, dtype: mx.Dtype = mx.float32) -> KV:
         """Every token's K and V, as the block base fetches them. For a decode step that may take the fused route,

@@ -7,8 +7,9 @@ the block's 32 tokens share them), and V, whose errors average out over the atte
 offsets fp16. The block base keeps the newest `kv_tail_tokens` tokens (default 128, as HF transformers'
 `residual_length`) and the block being filled in fp16, and derives the byte formula, the policy rule and the
 audit from the class; the registry entry names the label. On a GPU a decode step attends from the codes
-(kernels/blocks.py: affine_decode in KIVI's K layout, the fp16 tokens beside it), with no decoded copy; the CPU takes
-the base's reference path. Notebook 09 builds its own `my_kivi` to teach the block base. What it rotates, scales
+(kernels/blocks.py: affine_decode in KIVI's K layout, the fp16 tokens beside it), with no decoded copy; on the CPU
+two `mx.quantized_matmul` calls read the same codes (a K block's channels are the rows of a matrix over its
+tokens). Notebook 09 builds its own `my_kivi` to teach the block base. What it rotates, scales
 and keeps fp16, and its bytes per token: docs/field.md.
 """
 
@@ -22,7 +23,7 @@ from ..kernels import BlockLayout
 from ..registry import Option, register_scheme
 from .block import BlockCache, BlockScheme
 from .buffers import STORE_DTYPE
-from .kernel_route import BlockKernelRoute
+from .kernel_route import BlockKernelRoute, MatmulCodes
 from .options import split_widths, width_options, with_sink
 
 V_GROUP = 32  # channels of a V token sharing one scale and offset (KIVI's group size)
@@ -53,14 +54,21 @@ class KiviCache(BlockKernelRoute, BlockCache):
 
     def decode(self, parts: tuple[mx.array, mx.array, mx.array], kind: str) -> mx.array:
         codes, scales, biases = parts
+        # code * scale + offset in float32 (MLX dequantizes in the scales' dtype, rounding each value to float16)
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
         if kind == "k":
             x = mx.dequantize(codes, scales, biases, group_size=self.block_tokens, bits=self.k_bits)
-            return x.swapaxes(-1, -2).astype(mx.float32)
-        return mx.dequantize(codes, scales, biases, group_size=V_GROUP, bits=self.v_bits).astype(mx.float32)
+            return x.swapaxes(-1, -2)
+        return mx.dequantize(codes, scales, biases, group_size=V_GROUP, bits=self.v_bits)
 
     def scale_group(self, kind: str) -> tuple[int, int]:
         """K: one channel across a block's 32 tokens; V: one token's 32 channels (each with an offset too)."""
         return (self.block_tokens, 1) if kind == "k" else (1, V_GROUP)
+
+    def matmul_codes(self) -> MatmulCodes:
+        """K's blocks (channels as rows, quantized along the block's tokens) and V's rows for `mx.quantized_matmul`."""
+        return MatmulCodes(({"group_size": self.block_tokens, "bits": self.k_bits},
+                            {"group_size": V_GROUP, "bits": self.v_bits}), k_channels=True)
 
     def kernel_layout(self) -> BlockLayout:
         """The blocks as affine_decode reads them: K per channel over each block, V per token in groups of 32."""

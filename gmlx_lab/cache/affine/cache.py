@@ -204,8 +204,8 @@ class AffineCache(KernelRoute, BlockCache):
     def _quantized_attention(self, q: mx.array, qk: list[mx.array], qv: list[mx.array], scale: float,
                              mask: Any) -> mx.array:
         """Scores and output with two `mx.quantized_matmul` calls; K/V are never decoded."""
-        return quantized_attention(q, scale, mask, (qk, qv), {"group_size": self.group_size, "bits": self.bits},
-                                   qk[0].shape[2])
+        options = {"group_size": self.group_size, "bits": self.bits}
+        return quantized_attention(q, scale, mask, (qk, qv), (options, options), qk[0].shape[2])
 
     def regions(self) -> dict[str, int]:
         """Codes and scales (with offsets) once quantized, else the fp16 tokens; and the buffers' growth room."""
