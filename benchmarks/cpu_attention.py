@@ -4,9 +4,9 @@ Usage: python benchmarks/cpu_attention.py --out benchmarks/results/cpu_attention
 
 For each scheme a cache of one layer (8 KV heads of 128, batch 1) is filled to `--context` tokens and takes one
 decode token; then 32 query heads attend, as mlx-lm's attention hands a step over: over the cache's lazy fetch,
-through the cache's `attend` with attention_path "auto" (on the CPU: two mx.quantized_matmul calls for KIVI and the 4-bit
-floats, the reference for mxfp8) and with "reference" (the fetch decoded, then SDPA; affine's reference is its two
-mx.quantized_matmul calls already, so its rows would time one path twice). The two paths take turns,
+through the cache's `attend` with attention_path "auto" (on the CPU: two mx.quantized_matmul calls for KIVI and
+the 4-bit floats, the reference for mxfp8) and with "reference" (the fetch decoded, then SDPA; affine's reference is
+its two mx.quantized_matmul calls already, so its rows would time one path twice). The two paths take turns,
 `--rounds` rounds of one call each; the JSON keeps every time, the medians, their ratio and the largest relative
 difference of the outputs.
 """
