@@ -1,6 +1,6 @@
 """A decode step's attention on the CPU, one layer: each cache's own path against the reference path, side by side.
 
-Usage: python benchmarks/cpu_attention.py --out benchmarks/results/cpu_attention.json
+Usage: python benchmarks/cpu_attention.py --out benchmarks/results/cpu_attention-cpu.json
 
 For each scheme a cache of one layer (8 KV heads of 128, batch 1) is filled to `--context` tokens and takes one
 decode token; then 32 query heads attend, as mlx-lm's attention hands a step over: over the cache's lazy fetch,
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", default="mxfp4,nvfp4,mxfp8,kivi4,kivi2")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--out", default="benchmarks/results/cpu_attention.json")
+    parser.add_argument("--out", default="benchmarks/results/cpu_attention-cpu.json")
     args = parser.parse_args(argv)
     mx.set_default_device(mx.cpu)
     rows = []

@@ -1,7 +1,7 @@
 """Registers, stack and threadgroups a multiprocessor of each fused CUDA kernel, compiled offline: no GPU needed.
 
 Usage: python benchmarks/kernel_resources.py --schemes affine4,kivi4,turboquant4,mxfp4,nvfp4,mxfp8,kvarn4 \\
-           --out benchmarks/results/kernel_resources.json
+           --out benchmarks/results/kernel_resources-cpu.json
 (needs the `nvidia-cuda-nvrtc` wheel, the library MLX's CUDA backend compiles with, and g++ for the CPU threads)
 
 A kernel's registers a thread decide how many of its threadgroups a multiprocessor holds (65536 registers on an
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", default="affine4,kivi4,turboquant4,mxfp4,nvfp4,mxfp8,kvarn4")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens in each cache (enough for blocks)")
     parser.add_argument("--arch", default="sm_90a", help="NVRTC's --gpu-architecture (H100, H200: sm_90a)")
-    parser.add_argument("--out", default="benchmarks/results/kernel_resources.json")
+    parser.add_argument("--out", default="benchmarks/results/kernel_resources-cpu.json")
     args = parser.parse_args(argv)
     try:
         compiler = precompiled.nvrtc()

@@ -55,7 +55,7 @@ SOURCES: tuple[Source, ...] = (
     Source("GPU, batch 8", "batch_capacity-w16-8x32k-prefill-kvarn4-50c5b13-h200.json", 32768,
            more=tuple(f"batch_capacity-w16-8x32k-prefill-{s}-50c5b13-h200.json"
                       for s in ("kivi4", "turboquant4", "affine4"))),
-    Source("CPU, batch 1", "model_decode-cpu.json", 4096),
+    Source("CPU, batch 1", "model_decode-a931f29-cpu.json", 4096),
 )
 
 _NOT_SPEED = re.compile(r" tail=\d+| ext")

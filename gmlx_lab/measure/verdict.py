@@ -553,8 +553,8 @@ def summary(speeds: SpeedTable) -> list[str]:
     if cpu:
         slowest = min(cpu, key=lambda s: s.ratio)
         text += (f"{min(s.ratio for s in cpu):.2f}-{max(s.ratio for s in cpu):.2f}x fp16's tokens a second on this "
-                 f"project's CPU (`{cpu[0].file}`; slowest {slowest.measured_as}: on the CPU every cache is decoded "
-                 "whole each step, the fused kernels run on a GPU)")
+                 f"project's CPU (`{cpu[0].file}`; slowest {slowest.measured_as}: no fused kernel runs on the CPU, "
+                 "and a cache whose codes `mx.quantized_matmul` cannot read is decoded whole each step)")
     if gpu:
         fastest, slowest = max(gpu, key=lambda s: s.ratio), min(gpu, key=lambda s: s.ratio)
         text += (f"; on the GPU, through their fused kernels, {slowest.ratio:.2f}-{fastest.ratio:.2f}x (fastest "
