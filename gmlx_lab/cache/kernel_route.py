@@ -26,6 +26,7 @@ from ..kernels import (
     selfcheck,
 )
 from .attention import quantized_attention
+from .block import joined
 from .buffers import KV
 
 
@@ -173,7 +174,7 @@ class BlockKernelRoute(KernelRoute):
         n = self.recent_count
         pieces = ([self.sink] if self.sink is not None else []) + ([KV(self.recent.k.view(n), self.recent.v.view(n))]
                                                                    if n else [])
-        fp16 = KV(*(mx.concatenate(xs, axis=2) if len(xs) > 1 else xs[0] for xs in zip(*pieces))) if pieces else None
+        fp16 = joined(pieces, queries.dtype) if pieces else None
         k_parts, v_parts = ([b.data for b in bufs] for bufs in self.body_buffers)
         if not codes.k_channels:  # blocks of token rows read as one token axis: a free reshape
             k_parts = [x.reshape(*x.shape[:2], -1, x.shape[-1]) for x in k_parts]
