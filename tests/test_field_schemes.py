@@ -15,7 +15,7 @@ import gmlx_lab
 from gmlx_lab.cache.affine.cache import AffineRotCache
 from gmlx_lab.cache.float import FORMATS
 from gmlx_lab.cache.rotation import rotation_problem
-from gmlx_lab.cache.turboquant import gaussian_codebook, pack_bits, unpack_bits
+from gmlx_lab.cache.turboquant import codebook, gaussian_codebook, lookup_codes, pack_bits, unpack_bits
 from gmlx_lab.registry import SCHEMES, get_scheme
 from gmlx_lab.specs import parse_scheme_spec, scheme_label
 from gmlx_lab.viz.style import scheme_color, trace_styles
@@ -73,6 +73,15 @@ def test_codes_pack_to_their_width_and_back(bits):
     words = pack_bits(codes, bits)
     assert words.dtype == mx.uint32 and words.shape == (3, 2, math.ceil(80 * bits / 32))
     assert mx.array_equal(unpack_bits(words, bits, 80), codes).item()
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_codes_are_looked_up_a_field_at_a_time_as_one_at_a_time(bits, d):
+    """lookup_codes reads several codes a table lookup: the codebook values of the codes, one by one."""
+    codes = mx.random.randint(0, 2**bits, (3, 2, d), key=mx.random.key(bits)).astype(mx.uint32)
+    expected = mx.take(codebook(bits, d), codes)
+    assert mx.array_equal(lookup_codes(pack_bits(codes, bits), bits, d), expected).item()
 
 
 def test_turboquant_rotation_is_orthogonal_and_differs_by_head_and_seed():
@@ -322,6 +331,29 @@ def test_rotated_schemes_refuse_head_dims_they_cannot_undo() -> None:
     assert "not its own inverse" in get_scheme("affine_rot").declines("k", 160, 160, {"group_size": 32, "bits": 4})
     assert get_scheme("affine").declines("k", 160, 160, {"group_size": 32, "bits": 4}) is None
     assert rotation_problem(288) == "head_dim 288 has no Hadamard transform in MLX (accepted: 2^k or 12 x 2^k)"
+
+
+@pytest.mark.parametrize("spec", ["turboquant4", "turboquant:k3v4,sink=4,tail=64", "turboquant:bits=3,qjl=1",
+                                  "mxfp8_rot"])
+def test_a_decode_step_on_the_cpu_attends_in_the_blocks_rotated_space(spec):
+    """On the CPU a decode step of rotated blocks that mx.quantized_matmul cannot read (TurboQuant, mxfp8_rot) turns
+    the queries into the blocks' space and the output back, a kv head's rows at a time, and no decoded token: the
+    reference attention's output, and every array turned back has no more rows than the queries."""
+    name, options = parse_scheme_spec(spec)
+    cache = get_scheme(name).make_cache(get_scheme(name).resolve(**options), layer=0)
+    cache.update_and_fetch(*(mx.random.normal((1, 8, 1000, 128), key=mx.random.key(i)) for i in (0, 1)))
+    keys, values = cache.update_and_fetch(*(mx.random.normal((1, 8, 1, 128), key=mx.random.key(s)) for s in (2, 3)))
+    q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(7))
+    assert cache.quantized_matmul_step(q, values, "causal") and cache.matmul_codes() is None and cache.rotated_step()
+    cache.attention_path = "reference"
+    ref = cache.attend(q, keys, values, scale=0.088, mask="causal")
+    cache.attention_path = "auto"
+    turned_back = []
+    unrotate = cache.unrotate
+    cache.unrotate = lambda x: turned_back.append(x.shape[-2]) or unrotate(x)
+    out = cache.attend(q, keys, values, scale=0.088, mask="causal")
+    assert float(mx.abs(out - ref).max() / mx.abs(ref).max()) < 1e-5
+    assert turned_back and max(turned_back) <= 4, turned_back  # a kv head's 4 query rows
 
 
 @pytest.mark.parametrize("spec", ["mxfp4", "nvfp4:tail=64,sink=4", "mxfp4_rot", "kivi4", "kivi:k2v4,sink=4"])

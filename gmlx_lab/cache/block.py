@@ -166,12 +166,15 @@ class BlockRegions:
         out = joined(pieces, dtype)
         return KV(*(self.unrotate(x) for x in out)) if self.rotate_on_arrival else out
 
-    def key_slices(self, dtype: mx.Dtype, tokens: int) -> list[KeySlice]:
+    def key_slices(self, dtype: mx.Dtype, tokens: int, rotated: bool = False) -> list[KeySlice]:
         """The keys `fetch` returns, in its order, as slices of at most `tokens` decoded only when read: the fp16 sink
-        and recent tokens `tokens` at a time, the body in whole blocks."""
-        def read(x: mx.array, rotated: bool) -> mx.array:  # in `fetch`'s order: cast, then rotate back
-            if not rotated:
+        and recent tokens `tokens` at a time, the body in whole blocks. `rotated`: every slice in the blocks' space
+        (`rotate`), the decoded blocks as they are and the fp16 tokens turned, rather than in the model's."""
+        def read(x: mx.array, turned: bool) -> mx.array:  # x in the blocks' space or not; cast, then turn if asked
+            if turned == rotated:
                 return x.astype(dtype)
+            if rotated:
+                return self.rotate(x.astype(dtype))
             return self.unrotate(x.astype(dtype)) if self.rotate_on_arrival else self.unrotate(x).astype(dtype)
 
         def after(arrays: list[mx.array], done: list[mx.array]) -> list[mx.array]:

@@ -10,7 +10,8 @@ The format is (bits, group_size): 4 and 32, 4 and 16, 8 and 32 (the only ones ML
 the format ("mxfp4", "nvfp4_rot", "mxfp8") or spell it out ("float4:g=16,rot=1"). The block base derives the byte
 formula, the policy rule and the audit. On a GPU a decode step attends from the codes (kernels/blocks.py:
 affine_decode looking each code and each scale byte up in the format's tables, `format_tables`), merged with the
-fp16 tokens' attention; on the CPU the 4-bit formats' codes go to `mx.quantized_matmul`. What it rotates, scales
+fp16 tokens' attention; on the CPU the 4-bit formats' codes go to `mx.quantized_matmul`, and mxfp8_rot attends in
+the rotated space. What it rotates, scales
 and keeps fp16, and its bytes per token: docs/field.md.
 """
 
@@ -117,6 +118,10 @@ class FloatCache(BlockKernelRoute, BlockCache):
             return None
         options = {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
         return MatmulCodes((options, options), self.rotate if self.rotation else None)
+
+    def rotated_step(self) -> bool:
+        """A CPU decode step of rotated blocks (mxfp8_rot: no `matmul_codes`) attends in the rotated space."""
+        return bool(self.rotation)
 
     def kernel_layout(self) -> BlockLayout:
         """The blocks as affine_decode reads them: codes and byte scales looked up in the format's tables, no

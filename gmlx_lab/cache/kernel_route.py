@@ -2,8 +2,9 @@
 kernel, its emulation or the pure-MLX reference), whether a kernel passed its self-check, and the fused call a
 decode step keeps (`KernelRoute`: kvarn, affine); and the attention of block caches whose blocks affine's kernel
 reads (`BlockKernelRoute`: KIVI, TurboQuant, the floats), and on the CPU, where no kernel runs, their decode steps
-through `mx.quantized_matmul` where their codes are mx.quantize's (KIVI, the 4-bit floats). A pure-MLX scheme never
-imports this module, so it never loads the kernel layer.
+through `mx.quantized_matmul` where their codes are mx.quantize's (KIVI, the 4-bit floats), else in the blocks'
+rotated space where they are rotated (TurboQuant, mxfp8_rot). A pure-MLX scheme never imports this module, so it
+never loads the kernel layer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..kernels import (
     precompiled,
     selfcheck,
 )
-from .attention import quantized_attention
+from .attention import quantized_attention, slice_tokens, sliced_attention
 from .block import joined
 from .buffers import KV
 
@@ -139,9 +140,12 @@ class BlockKernelRoute(KernelRoute):
         layout = self.kernel_layout() if ready else None
         route = self.kernel_route(layout is not None and affine_supported(queries, mask), "affine_decode")
         if route is None:
-            codes = self.matmul_codes() if self.quantized_matmul_step(queries, values, mask) else None
-            if codes is not None:
-                return self.codes_attention(queries, scale, mask, codes)
+            if self.quantized_matmul_step(queries, values, mask):
+                codes = self.matmul_codes()
+                if codes is not None:
+                    return self.codes_attention(queries, scale, mask, codes)
+                if self.rotated_step():
+                    return self.rotated_attention(queries, scale, mask)
             return super().attend(queries, keys, values, scale, mask)
         fp16 = Fp16Tokens(self.sink, KV(self.recent.k.data, self.recent.v.data), self.recent_count)
         causal = isinstance(mask, str) and queries.shape[2] > 1
@@ -167,6 +171,26 @@ class BlockKernelRoute(KernelRoute):
         return (self.attention_path == "auto" and active_backend() == "cpu" and self.n_blocks > 0
                 and queries.shape[2] == 1 and (mask is None or isinstance(mask, str)) and not self.rotate_on_arrival
                 and values.shape[-1] == queries.shape[-1])
+
+    def rotated_step(self) -> bool:
+        """Whether a CPU decode step that cannot read the codes through `mx.quantized_matmul` attends in the blocks'
+        rotated space (`rotated_attention`): a cache whose blocks are rotated. None are by default."""
+        return False
+
+    def rotated_attention(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """Attention a slice of the cache at a time (attention.sliced_attention) in the blocks' rotated space: the
+        queries turned into it once and the output turned back once, so no decoded token is turned back (a
+        Hadamard transform of every token of K and V each step, otherwise)."""
+        b, hq, length, d = queries.shape
+        hkv = self.body.k[0].shape[1]
+
+        def turned(x: mx.array, turn: Callable[[mx.array], mx.array]) -> mx.array:  # a kv head's queries as one
+            return turn(x.reshape(b, hkv, -1, d)).reshape(b, hq, length, d)       # matrix: its rotation's rows
+
+        tokens = slice_tokens(queries, hkv, d, self.block_tokens)
+        out = sliced_attention(turned(queries, self.rotate), scale, mask,
+                               self.key_slices(queries.dtype, tokens, rotated=True))
+        return turned(out, self.unrotate)
 
     def codes_attention(self, queries: mx.array, scale: float, mask: Any, codes: MatmulCodes) -> mx.array:
         """Attention over the blocks' codes by `mx.quantized_matmul` and the fp16 sink and recent tokens, in one

@@ -17,7 +17,9 @@ vector, and d / 8 + 2 more for K's QJL signs and residual norm.
 
 On a GPU a decode step attends from the codes (kernels/blocks.py: affine_decode reading each code's codebook
 value times the token's norm): the queries are rotated once into the blocks' space and the blocks' share of the
-output rotated back, then merged with the fp16 tokens' attention. With `qjl=1` it takes the reference path.
+output rotated back, then merged with the fp16 tokens' attention. With `qjl=1` it takes the reference path. On the CPU
+a decode step attends in the rotated space too (the blocks decoded there, a slice at a time, none turned back), the
+codes read several at a time by table (`lookup_codes`).
 
 vLLM's presets in this lab's spec grammar: turboquant_k8v4 -> `turboquant:k8v4`, turboquant_4bit_nc ->
 `turboquant4`, turboquant_k3v4_nc (3.5 bits a value) -> `turboquant:k3v4`, turboquant_3bit_nc -> `turboquant3`.
@@ -152,6 +154,31 @@ def codebook(bits: int, d: int) -> mx.array:
 
 
 @lru_cache(maxsize=64)
+def window_table(bits: int, d: int) -> mx.array:
+    """The codebook values of the 16 // bits codes a field of 16 // bits * bits bits holds, lowest first, for every
+    such field: (2**(16 // bits * bits), 16 // bits) float32."""
+    per = 16 // bits
+    values, field = np.array(codebook(bits, d)), np.arange(1 << (per * bits))
+    return mx.array(np.stack([values[(field >> (i * bits)) & ((1 << bits) - 1)] for i in range(per)], axis=-1))
+
+
+def lookup_codes(words: mx.array, bits: int, d: int) -> mx.array:
+    """The codebook values (..., d) of the d codes `pack_bits` stored in `words`: the codes are read as fields of
+    16 // bits codes, one table lookup a field (`window_table`), a few times faster than a lookup a code."""
+    per = 16 // bits
+    if 16 % bits == 0:  # the fields are the words' uint16 halves
+        fields = words.view(mx.uint16)
+    else:  # field j starts at bit j * per * bits: the two words around it, shifted
+        start = np.arange(-(-d // per)) * per * bits
+        padded = mx.concatenate([words, mx.zeros((*words.shape[:-1], 1), mx.uint32)], axis=-1).astype(mx.uint64)
+        pairs = mx.take(padded, mx.array(start // 32), axis=-1) | (mx.take(padded, mx.array(start // 32 + 1),
+                                                                           axis=-1) << 32)
+        fields = (pairs >> mx.array(start % 32, mx.uint64)) & ((1 << (per * bits)) - 1)
+    x = mx.take(window_table(bits, d), fields.astype(mx.uint32), axis=0)
+    return x.reshape(*words.shape[:-1], -1)[..., :d]
+
+
+@lru_cache(maxsize=64)
 def codebook_tables(k_bits: int, v_bits: int, d: int) -> mx.array:
     """affine_decode's tables for K's and V's codebooks (QJL off: K's codebook has all of K's bits)."""
     return value_tables(codebook(k_bits, d), codebook(v_bits, d))
@@ -181,6 +208,10 @@ class TurboQuantCache(BlockKernelRoute, BlockCache):
 
     def unrotate(self, x: mx.array) -> mx.array:
         return mx.hadamard_transform(x) * head_signs(self.seed, x.shape[1], x.shape[-1])
+
+    def rotated_step(self) -> bool:
+        """A CPU decode step attends in the rotated space: the blocks are always rotated."""
+        return True
 
     def scale_group(self, kind: str) -> tuple[int, int]:
         """A token's whole rotated row shares its norm (the codebook is fixed), in K and V."""
@@ -229,9 +260,8 @@ class TurboQuantCache(BlockKernelRoute, BlockCache):
         return parts
 
     def decode(self, parts: tuple[mx.array, ...], kind: str) -> mx.array:
-        d = self.head_dim(parts[0], kind)
-        x = mx.take(codebook(self.codebook_bits(kind), d), unpack_bits(parts[0], self.codebook_bits(kind), d))
-        x = x * parts[1].astype(mx.float32)
+        d, bits = self.head_dim(parts[0], kind), self.codebook_bits(kind)
+        x = lookup_codes(parts[0], bits, d) * parts[1].astype(mx.float32)
         if kind == "k" and self.qjl:
             signs = unpack_bits(parts[2], 1, d).astype(mx.float32) * 2 - 1
             x = x + parts[3].astype(mx.float32) * (math.sqrt(math.pi / 2) / d) * (signs @ qjl_matrix(self.seed, d))
