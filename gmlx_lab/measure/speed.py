@@ -50,12 +50,12 @@ class Source:
 # The current code's runs: a newer run of the same setting replaces its file here (and the old file goes to
 # docs/history with the text that cited it).
 SOURCES: tuple[Source, ...] = (
-    Source("GPU, batch 1", "model_decode-128k-field-50c5b13-h200.json", 131072,
-           more=("model_decode-128k-rest-50c5b13-h200.json",)),
-    Source("GPU, batch 8", "batch_capacity-w16-8x32k-prefill-kvarn4-50c5b13-h200.json", 32768,
-           more=tuple(f"batch_capacity-w16-8x32k-prefill-{s}-50c5b13-h200.json"
+    Source("GPU, batch 1", "model_decode-128k-field-072bc49-h100-80gb-hbm3.json", 131072,
+           more=("model_decode-128k-rest-072bc49-h100-80gb-hbm3.json",)),
+    Source("GPU, batch 8", "batch_capacity-w16-8x32k-prefill-kvarn4-072bc49-h100-80gb-hbm3.json", 32768,
+           more=tuple(f"batch_capacity-w16-8x32k-prefill-{s}-072bc49-h100-80gb-hbm3.json"
                       for s in ("kivi4", "turboquant4", "affine4"))),
-    Source("CPU, batch 1", "model_decode-a931f29-cpu.json", 4096),
+    Source("CPU, batch 1", "model_decode-072bc49-cpu.json", 4096),
 )
 
 _NOT_SPEED = re.compile(r" tail=\d+| ext")
@@ -167,7 +167,7 @@ def read_source(source: Source, folder: Path | None = None, run: int = 0) -> Spe
         raise ValueError(f"{name} has no {BASELINE_LABEL} row at {source.context} tokens and "
                          f"{source.weight_bits}-bit weights: nothing to take a ratio to")
     mine = [r for r in rows if r["label"] != BASELINE_LABEL and ", " not in r["label"]]  # ", ": probes, paths
-    by_key = {**{speed_key(r["label"]): r for r in mine}, **{r["label"]: r for r in mine}}
+    by_key = {**{speed_key(r["label"]): r for r in mine}, **{r["label"]: r for r in mine}, BASELINE_LABEL: base}
     median = base.get("decode_ms_median", base.get("step_ms_median"))
     then = read_source(source, folder, run + 1) if run + 1 < len(source.files) else None
     return SpeedFile(source, by_key, float(median), str(data.get("commit", "unknown"))[:7],

@@ -30,7 +30,7 @@ from ..paths import RESULTS_DIR
 from ..registry import BASELINE
 from .banded import Row
 from .intervals import Comparison, Interval, compare, wilson
-from .speed import Speed, SpeedTable
+from .speed import BASELINE_LABEL, Speed, SpeedTable
 
 BUDGETS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 METRIC = "mean_kl"
@@ -513,6 +513,21 @@ SECOND_MODEL = "gemma3-270m"  # sliding windows: most layers stay fp16, so its s
 SECOND_BUDGETS = (0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # its smallest shares are high: finer steps above them
 
 
+def against_baseline(rows: list[Speed], speeds: SpeedTable) -> str:
+    """Which rows' step-time bands lie apart from `KVCache`'s in their own run, faster or slower, and how many
+    overlap it: what the medians' range alone cannot say."""
+    base = {run.file: run.of(BASELINE_LABEL) for f in speeds.files for run in f.runs()}
+    rows = list({(s.file, s.measured_as): s for s in rows}.values())  # each measured row once
+    faster = [s.measured_as for s in rows if s.faster_than(base[s.file])]
+    slower = [s.measured_as for s in rows if base[s.file].faster_than(s)]
+    said = ([f"faster than `KVCache` with the step-time bands (10th-90th percentile) apart: {', '.join(faster)}"]
+            if faster else []) + ([f"slower with the bands apart: {', '.join(slower)}"] if slower else [])
+    rest = len(rows) - len(faster) - len(slower)
+    if rest:
+        said.append(f"{'the other' if said else 'all'} {rest} overlap{'s' if rest == 1 else ''} `KVCache`'s band")
+    return "; ".join(said)
+
+
 def summary(speeds: SpeedTable) -> list[str]:
     """The README's verdict: five plain sentences read from the committed files, each naming where it comes from."""
     lead, second = load_verdict(LEAD_MODEL), load_verdict(SECOND_MODEL)
@@ -549,16 +564,14 @@ def summary(speeds: SpeedTable) -> list[str]:
            (f.of(r.label) for r in lead.at(lead.contexts[0]) if r.scheme != BASELINE) if s.measured]
     gpu = [s for f in speeds.files if f.source.setting == "GPU, batch 1" for s in
            (f.of(r.label) for r in lead.at(lead.contexts[0]) if r.scheme != BASELINE) if s.measured]
-    text = "**Speed at batch 1.** The quantized caches decode at "
+    text = "**Speed at batch 1.** By median step the quantized caches decode at "
     if cpu:
-        slowest = min(cpu, key=lambda s: s.ratio)
         text += (f"{min(s.ratio for s in cpu):.2f}-{max(s.ratio for s in cpu):.2f}x fp16's tokens a second on this "
-                 f"project's CPU (`{cpu[0].file}`; slowest {slowest.measured_as}: no fused kernel runs on the CPU, "
-                 "and a cache whose codes `mx.quantized_matmul` cannot read is decoded whole each step)")
+                 f"project's CPU (`{cpu[0].file}`; no fused kernel runs on the CPU, and a cache whose codes "
+                 "`mx.quantized_matmul` cannot read is decoded each step)")
     if gpu:
-        fastest, slowest = max(gpu, key=lambda s: s.ratio), min(gpu, key=lambda s: s.ratio)
-        text += (f"; on the GPU, through their fused kernels, {slowest.ratio:.2f}-{fastest.ratio:.2f}x (fastest "
-                 f"{fastest.measured_as}, slowest {slowest.measured_as}; "
-                 + " and ".join(f"`{name}`" for name in dict.fromkeys(s.file for s in gpu)) + f", {gpu[0].device})")
+        text += (f"; on the GPU, through their fused kernels, {min(s.ratio for s in gpu):.2f}-"
+                 f"{max(s.ratio for s in gpu):.2f}x (" + " and ".join(f"`{name}`" for name in dict.fromkeys(
+                     s.file for s in gpu)) + f", {gpu[0].device}; {against_baseline(gpu, speeds)})")
     out.append(text + ". docs/gpu-performance.md says where the memory they save buys speed: more sequences at once.")
     return out
