@@ -4,11 +4,11 @@ Usage: python benchmarks/cpu_attention.py --out benchmarks/results/cpu_attention
 
 For each scheme a cache of one layer (8 KV heads of 128, batch 1) is filled to `--context` tokens and takes one
 decode token; then 32 query heads attend, as mlx-lm's attention hands a step over: over the cache's lazy fetch,
-through the cache's `attend` with attention_path "auto" (on the CPU: two mx.quantized_matmul calls for KIVI and
-the 4-bit floats; TurboQuant and mxfp8_rot in their blocks' rotated space; the reference for mxfp8) and with
-"reference" (the fetch decoded, then SDPA; affine's reference is its two mx.quantized_matmul calls already, so its
-rows would time one path twice). The two paths take turns, `--rounds` rounds of one call each; the JSON keeps every
-time, the medians, their ratio and the largest relative difference of the outputs.
+through the cache's `attend` with attention_path "auto" (on the CPU: two mx.quantized_matmul calls for KIVI, the
+4-bit floats and kvarn's records; TurboQuant and mxfp8_rot in their blocks' rotated space; the reference for mxfp8)
+and with "reference" (the fetch decoded, then SDPA; affine's reference is its two mx.quantized_matmul calls already,
+so its rows would time one path twice). The two paths take turns, `--rounds` rounds of one call each; the JSON keeps
+every time, the medians, their ratio and the largest relative difference of the outputs.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def measure(spec: str, context: int, rounds: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--schemes", default="mxfp4,nvfp4,mxfp8,mxfp8_rot,kivi4,kivi2,turboquant4,turboquant3")
+    parser.add_argument("--schemes", default="mxfp4,nvfp4,mxfp8,mxfp8_rot,kivi4,kivi2,turboquant4,turboquant3,"
+                                             "kvarn4:tail=128,kvarn3:tail=128")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default="benchmarks/results/cpu_attention-cpu.json")

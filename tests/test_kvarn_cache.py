@@ -113,6 +113,27 @@ def test_attention_over_cache_equals_attention_over_decoded_kv(dim, q_len):
     assert float(mx.abs(ours - ref).max()) < tol * max(1.0, float(mx.abs(ref).max()))
 
 
+@pytest.mark.parametrize("widths, dim, ext", [((4, 4), 128, 0), ((3, 3), 128, 0), ((8, 4), 256, 0), ((2, 2), 64, 1)])
+def test_a_decode_step_on_the_cpu_attends_from_the_records_codes(monkeypatch, widths, dim, ext):
+    """On the CPU a kvarn decode step scores and weighs the records through mx.quantized_matmul from their codes
+    (packed as mx.quantize packs them), no record decoded: the decoded reference's output within float32 noise."""
+    k, v = random_kv(700, dim=dim)
+    cache = KvarnCache(*widths, kv_tail_tokens=64, head_dim_ext=ext)
+    kk, vv = feed(cache, k, v, [699, 1])
+    q = mx.random.normal((1, 6, 1, dim), key=mx.random.key(3))
+    cache.attention_path = "reference"
+    ref = cache.attend(q, kk, vv, scale=dim**-0.5, mask="causal")
+    cache.attention_path = "auto"
+    assert cache.n_records == 3 and cache._codes_step(q, vv, "causal")
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("a record was decoded")
+
+    monkeypatch.setattr("gmlx_lab.cache.kvarn.cache.decode_tokens", decoded)
+    out = cache.attend(q, kk, vv, scale=dim**-0.5, mask="causal")
+    assert float(mx.abs(out - ref).max() / mx.abs(ref).max()) < 1e-5
+
+
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_reference_attention_takes_array_masks_by_region(kind):
     """The reference path attends to records and fp16 tokens apart (cache.attend on the CPU): an array mask over

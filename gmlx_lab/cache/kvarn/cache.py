@@ -16,7 +16,8 @@ fp16 source until the next seal (`keep_newest_block`, `rollback`): a draft model
 speculative decoding is trimmed by up to num_draft - 1 tokens, which at a short tail reaches into the newest
 record. The base also rolls kvarn's window (its blocks are the window's groups) and keeps trim, `state` and
 `regions`. What kvarn adds: `encode`/`decode` (records), the rotation, the head-dim rule (`records.py`), and the
-fused GPU kernels as `attend` and `fetch` overrides.
+fused GPU kernels as `attend` and `fetch` overrides; on the CPU a decode step reads the records' codes through
+`mx.quantized_matmul` (`records.records_attention`).
 
 Choices where the spec is silent: records seal on the GPU with the `kvarn_seal` kernel and on the CPU with
 `records.encode_tokens` (the same steps); K/V are checked for non-finite values when they arrive (base.py).
@@ -38,6 +39,7 @@ from ...kernels import (
     MAX_QUERY_TOKENS,
     KvarnCall,
     SplitCounter,
+    active_backend,
     kvarn_attend,
     kvarn_supported,
     kvarn_tokens,
@@ -63,6 +65,8 @@ from .records import (
     decode_tokens,
     encode_tokens,
     head_dim_problem,
+    records_attention,
+    slice_width,
 )
 
 __all__ = ["KvarnCache", "SINK_TOKENS"]
@@ -225,6 +229,8 @@ class KvarnCache(KernelRoute, BlockCache):
         route = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode")
         if route is not None:
             return kvarn_attend(queries, scale, mask, parts, emulate=route == "emulated", counter=self._counter)
+        if self._codes_step(queries, values, mask):
+            return self._attend_by_region(queries, scale, mask, from_codes=True)
         out = self.sliced(queries, keys, values, scale, mask)  # a cache longer than a slice of scratch
         if out is not None:
             return out
@@ -247,17 +253,30 @@ class KvarnCache(KernelRoute, BlockCache):
                 else None
         return self.kept_call(queries, scale, mask, objects, (-(-n // 128), n >= queries.shape[2]), make)
 
-    def _attend_by_region(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+    def _codes_step(self, queries: mx.array, values: mx.array, mask: Any) -> bool:
+        """Whether a decode step reads the records' codes through `mx.quantized_matmul` (`records_attention`):
+        "auto" on the CPU, where no kernel runs, one query token, no array mask, K and V of the queries' width, and
+        a record's rows of 64 or 128 channels (a V row is one of mx.quantize's groups)."""
+        return (self.attention_path == "auto" and active_backend() == "cpu" and self.body is not None
+                and queries.shape[2] == 1 and not isinstance(mask, mx.array)
+                and values.shape[-1] == queries.shape[-1] and slice_width(queries.shape[-1]) in (64, TILE))
+
+    def _attend_by_region(self, queries: mx.array, scale: float, mask: Any, from_codes: bool = False) -> mx.array:
         """The reference attention, as the fused kernel computes it: the records in rotated space with rotated
         queries, the fp16 sink and recent tokens with the queries as they are, one softmax over both
         (`merge_partials`), and only the records' share of the output rotated back. Rotating the decoded body
         back instead costs a Hadamard transform of every token at every step (1.5x the CPU decode step of a
-        4096-token cache, measured on this lab's CPU)."""
+        4096-token cache, measured on this lab's CPU). `from_codes`: the records' share from their codes
+        (`records.records_attention`), none decoded."""
         dtype = queries.dtype
         n, ns = self.recent_count, self.sink_count
-        body = KV(*(decode_tokens(r, dtype) for r in self.records))
         fp16 = KV(*(mx.concatenate([s.astype(dtype), buf.data[:, :, :n].astype(dtype)], axis=2)
                     for s, buf in zip(self.sink, self.recent)))
+        if from_codes:  # a decode step with no array mask: every record precedes the query
+            out_body, lse_body = records_attention(mx.hadamard_transform(queries), scale, *self.records)
+            out_fp16, lse_fp16 = grouped_attention(queries, *fp16, scale, mask)
+            return merge_partials([(mx.hadamard_transform(out_body), lse_body), (out_fp16, lse_fp16)]).astype(dtype)
+        body = KV(*(decode_tokens(r, dtype) for r in self.records))
         if isinstance(mask, mx.array):  # columns in fetch's order: sink, body, recent
             nb = body.k.shape[2]
             fp16_mask, body_mask = mx.concatenate([mask[..., :ns], mask[..., ns + nb:]], axis=-1), mask[..., ns:ns + nb]

@@ -253,6 +253,33 @@ def decode_tiles(codes: mx.array, scale_axis: mx.array, zp_axis: mx.array, other
     return rows * other_axis[..., None, :].astype(dtype)
 
 
+def records_attention(queries: mx.array, scale: float, k: Records, v: Records) -> tuple[mx.array, mx.array]:
+    """Attention of rotated queries (B, Hq, L, D) over every token of K and V records (fields (B, Hkv, n, S, ...))
+    from their codes, by two `mx.quantized_matmul` calls a record and slice: a record's codes are packed as
+    mx.quantize packs them, each row one affine group (scale_axis, zp_axis), so a K record (channels x tokens)
+    scores the queries as it is and a V record (tokens x channels) weighs the probabilities; the column factors
+    (`other_axis`) scale the scores by token and the output by channel. Returns the output (B, Hq, L, D), in the
+    records' space, and the scores' log-sum-exp (B, Hq, L), for `merge_partials`."""
+    b, hq, length, d = queries.shape
+    hkv, n, s, w = k.codes.shape[1], k.codes.shape[2], k.codes.shape[3], k.codes.shape[4]
+    rows = hq // hkv * length
+    # a kv head's query rows as one matrix, cut into the records' slices: (B, Hkv, 1, S, G L, w)
+    q = (queries * scale).reshape(b, hkv, rows, s, w).transpose(0, 1, 3, 2, 4)[:, :, None]
+
+    def affine(r: Records) -> tuple[mx.array, mx.array, mx.array]:
+        return r.codes, r.scale_axis[..., None].astype(q.dtype), r.zp_axis[..., None].astype(q.dtype)
+
+    scores = mx.quantized_matmul(q, *affine(k), transpose=False, group_size=TILE, bits=k.bits)
+    scores = (scores * k.other_axis[..., None, :].astype(q.dtype)).sum(axis=3)  # (B, Hkv, n, G L, 128)
+    scores = scores.transpose(0, 1, 3, 2, 4).reshape(b, hkv, rows, n * TILE)
+    lse = mx.logsumexp(scores, axis=-1, keepdims=True)
+    probs = mx.exp(scores - lse).reshape(b, hkv, rows, n, TILE).transpose(0, 1, 3, 2, 4)[:, :, :, None]
+    out = mx.quantized_matmul(probs, *affine(v), transpose=False, group_size=w, bits=v.bits)
+    out = (out * v.other_axis[..., None, :].astype(q.dtype)).sum(axis=2)  # (B, Hkv, S, G L, w)
+    out = out.transpose(0, 1, 3, 2, 4).reshape(b, hq, length, d)
+    return out, lse.reshape(b, hq, length)
+
+
 def to_tiles(x: mx.array, kind: str) -> mx.array:
     """Tokens (B, H, n*128, D) to record tiles (B, H, n, D/128, rows, cols) oriented for `kind`."""
     b, h, t, d = x.shape
