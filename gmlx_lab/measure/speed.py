@@ -55,7 +55,7 @@ SOURCES: tuple[Source, ...] = (
     Source("GPU, batch 8", "batch_capacity-w16-8x32k-prefill-kvarn4-072bc49-h100-80gb-hbm3.json", 32768,
            more=tuple(f"batch_capacity-w16-8x32k-prefill-{s}-072bc49-h100-80gb-hbm3.json"
                       for s in ("kivi4", "turboquant4", "affine4"))),
-    Source("CPU, batch 1", "model_decode-072bc49-cpu.json", 4096),
+    Source("CPU, batch 1", "model_decode-71ce1b5-cpu.json", 4096),
 )
 
 _NOT_SPEED = re.compile(r" tail=\d+| ext")
