@@ -124,7 +124,7 @@ def test_a_decode_step_on_the_cpu_attends_from_the_records_codes(monkeypatch, wi
     cache.attention_path = "reference"
     ref = cache.attend(q, kk, vv, scale=dim**-0.5, mask="causal")
     cache.attention_path = "auto"
-    assert cache.n_records == 3 and cache._codes_step(q, vv, "causal")
+    assert cache.n_records == 3 and cache.codes_step(q, vv, "causal")
 
     def decoded(*args, **kwargs):
         raise AssertionError("a record was decoded")

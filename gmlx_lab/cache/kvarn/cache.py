@@ -229,7 +229,7 @@ class KvarnCache(KernelRoute, BlockCache):
         route = self.kernel_route(kvarn_supported(parts, queries, mask), "kvarn_decode")
         if route is not None:
             return kvarn_attend(queries, scale, mask, parts, emulate=route == "emulated", counter=self._counter)
-        if self._codes_step(queries, values, mask):
+        if self.codes_step(queries, values, mask):
             return self._attend_by_region(queries, scale, mask, from_codes=True)
         out = self.sliced(queries, keys, values, scale, mask)  # a cache longer than a slice of scratch
         if out is not None:
@@ -253,7 +253,7 @@ class KvarnCache(KernelRoute, BlockCache):
                 else None
         return self.kept_call(queries, scale, mask, objects, (-(-n // 128), n >= queries.shape[2]), make)
 
-    def _codes_step(self, queries: mx.array, values: mx.array, mask: Any) -> bool:
+    def codes_step(self, queries: mx.array, values: mx.array, mask: Any) -> bool:
         """Whether a decode step reads the records' codes through `mx.quantized_matmul` (`records_attention`):
         "auto" on the CPU, where no kernel runs, one query token, no array mask, K and V of the queries' width, and
         a record's rows of 64 or 128 channels (a V row is one of mx.quantize's groups)."""
